@@ -1,0 +1,1 @@
+"""Ferry operator: reconciles ModelWeights into prepared artifacts and wired vLLM Deployments."""

@@ -1,0 +1,1 @@
+"""The ModelWeights API types and their CRD."""

@@ -1,0 +1,542 @@
+"""The ModelWeights API (ferry.dev/v1alpha1): the single source of truth.
+
+The CRD in crds/ is generated from these models (`make crds`); descriptions
+here are what `kubectl explain` shows. Cross-field constraints are `Rule`s:
+CEL at admission, the same check in Python when the operator parses a spec.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from .rules import Rule, crd_validations, enforce, matches, rule_error
+
+GROUP = "ferry.dev"
+VERSION = "v1alpha1"
+KIND = "ModelWeights"
+PLURAL = "modelweights"
+SINGULAR = "modelweights"
+SHORT_NAMES = ["mw"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Kubernetes naming and quantity grammars (apimachinery's validation).
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+
+ResourceName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN)]
+ContainerName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS1123_LABEL)]
+Quantity = Annotated[str, Field(max_length=64, pattern=QUANTITY)]
+GlobPattern = Annotated[
+    str, Field(min_length=1, max_length=256, description="A glob over paths in the source, e.g. *.safetensors.")
+]
+
+
+class Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=True,
+        validate_default=True,
+    )
+
+
+class SecretRef(Model):
+    """A Secret in the ModelWeights' namespace."""
+
+    name: ResourceName = Field(description="Name of the Secret.")
+
+
+# --- source -------------------------------------------------------------------
+
+SOURCE_URI_RULES = [
+    matches(
+        r"^(hf|s3|pvc|file)://",
+        "must start with hf://, s3://, pvc:// or file://",
+    ),
+    matches(
+        r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+        "hf:// URIs name a Hub repository: hf://org/name",
+        unless_prefix="hf://",
+    ),
+    matches(
+        r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$",
+        "s3:// URIs look like s3://bucket/prefix (bucket: 3-63 lowercase letters, digits, dots, hyphens)",
+        unless_prefix="s3://",
+    ),
+    matches(
+        r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?$",
+        "pvc:// URIs look like pvc://claim-name/path (claim: a DNS-1123 label)",
+        unless_prefix="pvc://",
+    ),
+    matches(r"^file:///", "file:// URIs need an absolute path: file:///path", unless_prefix="file://"),
+    Rule(
+        "!self.matches('(^|/)\\\\.\\\\.(/|$)')",
+        "must not contain '..' path segments",
+        lambda v: ".." not in v.split("/"),
+    ),
+]
+
+
+class Source(Model):
+    """Where the original weights come from."""
+
+    uri: str = Field(
+        max_length=2048,
+        description=(
+            "Location of the original checkpoint: hf://org/name (Hugging Face Hub), "
+            "s3://bucket/prefix, pvc://claim/path (a PersistentVolumeClaim in this namespace), "
+            "or file:///path (local executor only)."
+        ),
+        json_schema_extra=crd_validations(SOURCE_URI_RULES),
+    )
+    revision: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description="Hub branch, tag or commit (hf:// only; default: main).",
+    )
+    credentials_secret_ref: SecretRef | None = Field(
+        None,
+        description=(
+            "Secret whose keys become the fetch step's environment: HF_TOKEN for the Hub, "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optional AWS_SESSION_TOKEN) for S3."
+        ),
+    )
+    allow_patterns: list[GlobPattern] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Glob patterns of files to fetch. Empty: vLLM's rules (safetensors preferred over "
+            ".bin over .pt; only files the safetensors index references; config, generation "
+            "config and tokenizer files always)."
+        ),
+    )
+    ignore_patterns: list[GlobPattern] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Glob patterns of files to skip, on top of vLLM's defaults (original/**, training artifacts).",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return enforce(SOURCE_URI_RULES, v)
+
+
+# --- storage ------------------------------------------------------------------
+
+
+class AccessMode(str, Enum):
+    """A PersistentVolumeClaim access mode."""
+
+    READ_WRITE_ONCE = "ReadWriteOnce"
+    READ_ONLY_MANY = "ReadOnlyMany"
+    READ_WRITE_MANY = "ReadWriteMany"
+    READ_WRITE_ONCE_POD = "ReadWriteOncePod"
+
+
+PVC_RULES = [
+    Rule(
+        "has(self.name) || has(self.size)",
+        "set name (reuse an existing claim) or size (Ferry creates the claim)",
+        lambda p: p.name is not None or p.size is not None,
+    ),
+]
+
+
+class PVCStorage(Model):
+    """A PersistentVolumeClaim that holds prepared artifacts and serving pods mount read-only."""
+
+    model_config = ConfigDict(json_schema_extra=crd_validations(PVC_RULES))
+
+    name: ResourceName | None = Field(
+        None,
+        description="Claim name. With size unset, an existing claim is reused; default: <modelweights-name>-weights.",
+    )
+    size: Quantity | None = Field(
+        None, description="Requested capacity (a Kubernetes quantity, e.g. 200Gi); Ferry creates the claim if absent."
+    )
+    storage_class_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
+        description="StorageClass of a created claim; immutable once set.",
+        json_schema_extra=crd_validations(
+            [Rule("self == oldSelf", "storageClassName is immutable", lambda v: True)]
+        ),
+    )
+    access_modes: list[AccessMode] = Field(
+        default_factory=lambda: [AccessMode.READ_WRITE_ONCE],
+        min_length=1,
+        max_length=4,
+        description="Access modes of a created claim. Serving pods on several nodes need ReadOnlyMany or ReadWriteMany.",
+        json_schema_extra={"default": ["ReadWriteOnce"]},
+    )
+    sub_path: str | None = Field(
+        None,
+        max_length=1024,
+        pattern=r"^[^/]",
+        description="Directory inside the claim for this model's artifacts (relative); default: the ModelWeights name.",
+        json_schema_extra=crd_validations(
+            [Rule("!self.matches('(^|/)\\\\.\\\\.(/|$)')", "must not contain '..' path segments", lambda v: ".." not in v.split("/"))]
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "PVCStorage":
+        return enforce(PVC_RULES, self)
+
+
+class S3Storage(Model):
+    """An S3 (or S3-compatible) prefix for artifacts."""
+
+    uri: str = Field(
+        max_length=2048,
+        pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$",
+        description="Destination prefix: s3://bucket/prefix.",
+    )
+    endpoint: str | None = Field(
+        None,
+        max_length=2048,
+        pattern=r"^https?://[^\s/]+(/.*)?$",
+        description="Endpoint URL of an S3-compatible store (e.g. http://minio.storage:9000); default: AWS.",
+    )
+    region: str | None = Field(None, max_length=64, pattern=r"^[a-z0-9-]+$", description="Bucket region.")
+    credentials_secret_ref: SecretRef | None = Field(
+        None, description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for this store."
+    )
+
+
+class Storage(Model):
+    """Where prepared artifacts live: a PVC, an S3 prefix, or both."""
+
+    pvc: PVCStorage | None = Field(None, description="PersistentVolumeClaim for artifacts.")
+    s3: S3Storage | None = Field(None, description="S3 prefix for artifacts.")
+
+
+# --- format -------------------------------------------------------------------
+
+
+class FormatType(str, Enum):
+    """A vLLM load format."""
+
+    SAFETENSORS = "safetensors"
+    SHARDED_STATE = "sharded_state"
+    TENSORIZER = "tensorizer"
+    RUNAI_STREAMER = "runai_streamer"
+
+
+class TensorizerOptions(Model):
+    """Options of the tensorizer format."""
+
+    encryption_secret_ref: SecretRef | None = Field(
+        None, description="Secret with key `key` holding a tensorizer encryption key; artifacts are encrypted at rest."
+    )
+    num_readers: int | None = Field(
+        None, ge=1, le=64, description="Parallel readers when deserializing (vLLM TensorizerConfig.num_readers)."
+    )
+
+
+class RunaiStreamerOptions(Model):
+    """Tuning of the Run:ai Model Streamer (vLLM --model-loader-extra-config)."""
+
+    concurrency: int | None = Field(None, ge=1, le=256, description="Concurrent reads (default 16 file / 8 object store).")
+    memory_limit: int | None = Field(
+        None, ge=-1, description="CPU staging buffer limit in bytes; -1 is unlimited."
+    )
+
+
+FORMAT_RULES = [
+    Rule(
+        "!has(self.tensorizer) || self.type == 'tensorizer'",
+        "only valid when format.type is tensorizer",
+        lambda f: f.tensorizer is None or f.type == FormatType.TENSORIZER.value,
+        ".tensorizer",
+    ),
+    Rule(
+        "!has(self.runaiStreamer) || self.type == 'runai_streamer'",
+        "only valid when format.type is runai_streamer",
+        lambda f: f.runai_streamer is None or f.type == FormatType.RUNAI_STREAMER.value,
+        ".runaiStreamer",
+    ),
+]
+
+
+class Format(Model):
+    """The vLLM load format to prepare and serve, and the parallelism it is cut for."""
+
+    model_config = ConfigDict(json_schema_extra=crd_validations(FORMAT_RULES))
+
+    type: FormatType = Field(
+        FormatType.SAFETENSORS,
+        description=(
+            "vLLM --load-format. safetensors: plain copy into a PVC. sharded_state: pre-cut "
+            "per tensor-parallel rank into a PVC, each rank reads only its shard. tensorizer: "
+            "serialized into S3 and streamed. runai_streamer: safetensors streamed concurrently "
+            "from S3 at load time."
+        ),
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=512, description="vLLM --tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=128, description="vLLM --pipeline-parallel-size.")
+    vllm_version: str = Field(
+        "0.32",
+        max_length=32,
+        pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?$",
+        description="vLLM version the serving pods run (major.minor[.patch]); sharded_state layouts differ by version.",
+    )
+    max_part_size: Quantity = Field(
+        "5Gi", description="sharded_state: largest file per part (vLLM's default is 5 GiB)."
+    )
+    tensorizer: TensorizerOptions | None = Field(None, description="tensorizer options.")
+    runai_streamer: RunaiStreamerOptions | None = Field(None, description="Run:ai Model Streamer options.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Format":
+        return enforce(FORMAT_RULES, self)
+
+
+# --- serving ------------------------------------------------------------------
+
+
+class DeploymentRef(Model):
+    """A serving Deployment in this namespace that Ferry wires to the artifact."""
+
+    name: ResourceName = Field(description="Deployment name.")
+    container: ContainerName | None = Field(
+        None, description="Container running vLLM; default: the first container."
+    )
+
+
+def _first_duplicate(deployments: list[DeploymentRef]) -> int | None:
+    seen: set[str] = set()
+    for i, d in enumerate(deployments):
+        if d.name in seen:
+            return i
+        seen.add(d.name)
+    return None
+
+
+class Serving(Model):
+    """Deployments to patch with --model, --load-format and flags, and roll on change."""
+
+    deployments: list[DeploymentRef] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Deployments to wire; each is rolled when the artifact changes.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    @field_validator("deployments")
+    @classmethod
+    def _unique(cls, deployments: list[DeploymentRef]) -> list[DeploymentRef]:
+        # The API server enforces this through x-kubernetes-list-type: map;
+        # report it on the same element as it does.
+        dup = _first_duplicate(deployments)
+        if dup is not None:
+            raise rule_error(f"Duplicate value: {deployments[dup].name!r}", f"[{dup}]")
+        return deployments
+
+    readiness_gate: bool = Field(
+        True,
+        description="Add a pod readiness gate that turns true only once Ferry's loader has verified the weights.",
+    )
+
+
+# --- spec ---------------------------------------------------------------------
+
+
+class DeletionPolicy(str, Enum):
+    """What happens to prepared data when the ModelWeights is deleted."""
+
+    RETAIN = "Retain"
+    DELETE = "Delete"
+
+
+def _has_pvc(s: "ModelWeightsSpec") -> bool:
+    return s.storage is not None and s.storage.pvc is not None
+
+
+def _has_s3(s: "ModelWeightsSpec") -> bool:
+    return s.storage is not None and s.storage.s3 is not None
+
+
+SPEC_RULES = [
+    Rule(
+        "self.format.type != 'tensorizer' || (has(self.storage) && has(self.storage.s3))",
+        "required when format.type is tensorizer (tensorized artifacts are written to S3)",
+        lambda s: s.format.type != FormatType.TENSORIZER.value or _has_s3(s),
+        ".storage.s3",
+    ),
+    Rule(
+        "!(self.format.type in ['safetensors', 'sharded_state']) || (has(self.storage) && has(self.storage.pvc))",
+        "required when format.type is safetensors or sharded_state (artifacts are written to a PVC)",
+        lambda s: s.format.type not in (FormatType.SAFETENSORS.value, FormatType.SHARDED_STATE.value) or _has_pvc(s),
+        ".storage.pvc",
+    ),
+    Rule(
+        "self.format.type != 'runai_streamer' || self.source.uri.startsWith('s3://') || (has(self.storage) && has(self.storage.s3))",
+        "runai_streamer streams from S3: use an s3:// source.uri or set storage.s3",
+        lambda s: s.format.type != FormatType.RUNAI_STREAMER.value or s.source.uri.startswith("s3://") or _has_s3(s),
+        ".format.type",
+    ),
+    Rule(
+        "self.format.type != 'sharded_state' || self.format.pipelineParallelSize == 1"
+        " || int(self.format.vllmVersion.split('.')[0]) > 0 || int(self.format.vllmVersion.split('.')[1]) >= 32",
+        "sharded_state with pipelineParallelSize > 1 needs format.vllmVersion >= 0.32 (per-stage file names)",
+        lambda s: s.format.type != FormatType.SHARDED_STATE.value
+        or s.format.pipeline_parallel_size == 1
+        or _version_at_least(s.format.vllm_version, (0, 32)),
+        ".format.pipelineParallelSize",
+    ),
+]
+
+
+def _version_at_least(version: str, floor: tuple[int, int]) -> bool:
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (major, minor) >= floor
+
+
+class ModelWeightsSpec(Model):
+    """Which weights, in which vLLM load format, for which serving Deployments."""
+
+    model_config = ConfigDict(json_schema_extra=crd_validations(SPEC_RULES))
+
+    source: Source = Field(description="Where the original checkpoint comes from.")
+    storage: Storage | None = Field(None, description="Where prepared artifacts are kept.")
+    format: Format = Field(
+        default_factory=Format, description="Load format and parallelism.", json_schema_extra={"default": {}}
+    )
+    serving: Serving | None = Field(None, description="Serving Deployments to wire to the artifact.")
+    deletion_policy: DeletionPolicy = Field(
+        DeletionPolicy.RETAIN,
+        description="Retain keeps prepared data when the ModelWeights is deleted; Delete removes it.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ModelWeightsSpec":
+        return enforce(SPEC_RULES, self)
+
+
+# --- status -------------------------------------------------------------------
+
+
+class ConditionStatus(str, Enum):
+    """Status of a condition."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class ConditionType(str, Enum):
+    """Condition types Ferry sets. Ready is the kstatus summary."""
+
+    READY = "Ready"
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
+    DOWNLOADED = "Downloaded"
+    PREPARED = "Prepared"
+    SERVING_UPDATED = "ServingUpdated"
+    WEIGHTS_LOADED = "WeightsLoaded"
+
+
+class Condition(Model):
+    """metav1.Condition."""
+
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+        description="Type of condition in CamelCase, e.g. Ready, Downloaded, Prepared.",
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    observed_generation: int | None = Field(
+        None, ge=0, description="metadata.generation the condition was set for.", json_schema_extra={"format": "int64"}
+    )
+    last_transition_time: datetime = Field(description="Last time the status changed.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="Programmatic identifier of the last transition, in CamelCase.",
+    )
+    message: str = Field(max_length=32768, description="Human-readable details.")
+
+
+class Phase(str, Enum):
+    """One-word summary of the state."""
+
+    PENDING = "Pending"
+    FETCHING = "Fetching"
+    PREPARING = "Preparing"
+    WIRING = "Wiring"
+    READY = "Ready"
+    FAILED = "Failed"
+    DELETING = "Deleting"
+
+
+class Progress(Model):
+    """Progress of the running step."""
+
+    step: str | None = Field(None, max_length=64, description="Step in progress: fetch, shard, tensorize, verify.")
+    bytes_done: int = Field(0, ge=0, description="Bytes processed.", json_schema_extra={"format": "int64"})
+    bytes_total: int = Field(0, ge=0, description="Bytes to process (0 if unknown).", json_schema_extra={"format": "int64"})
+    bytes_per_second: int = Field(0, ge=0, description="Recent throughput.", json_schema_extra={"format": "int64"})
+    eta_seconds: int | None = Field(None, ge=0, description="Estimated seconds left.", json_schema_extra={"format": "int64"})
+    percent: int = Field(0, ge=0, le=100, description="bytesDone / bytesTotal in percent.")
+    updated_at: datetime | None = Field(None, description="When this progress was reported.")
+
+
+class Artifact(Model):
+    """The prepared artifact, once complete."""
+
+    uri: str = Field(max_length=2048, description="Where the artifact is: pvc://claim/path or s3://bucket/prefix.")
+    format: FormatType = Field(description="Load format of the artifact.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size the artifact is cut for.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline-parallel size the artifact is cut for.")
+    vllm_version: str | None = Field(None, max_length=32, description="vLLM version the layout targets.")
+    total_bytes: int = Field(0, ge=0, description="Size of all files.", json_schema_extra={"format": "int64"})
+    size: str | None = Field(None, max_length=32, description="total_bytes for humans, e.g. 131Gi.")
+    manifest_digest: str | None = Field(
+        None, max_length=80, pattern=r"^sha256:[0-9a-f]{64}$", description="sha256 of ferry-manifest.json."
+    )
+
+
+class ModelWeightsStatus(Model):
+    """Observed state, following Kubernetes API conventions and kstatus."""
+
+    observed_generation: int | None = Field(
+        None, ge=0, description="Last metadata.generation the operator acted on.", json_schema_extra={"format": "int64"}
+    )
+    phase: Phase | None = Field(None, description="One-word summary derived from the conditions.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Ready (summary), Reconciling, Stalled and step conditions.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    progress: Progress | None = Field(None, description="Progress of the running step.")
+    artifact: Artifact | None = Field(None, description="The prepared artifact.")
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str | None = None
+    namespace: str | None = None
+    generation: int | None = None
+
+
+class ModelWeights(Model):
+    """ModelWeights: LLM weights, prepared for a vLLM load format and wired to serving Deployments."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["ferry.dev/v1alpha1"] = API_VERSION
+    kind: Literal["ModelWeights"] = KIND
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: ModelWeightsSpec
+    status: ModelWeightsStatus | None = None

@@ -1,0 +1,57 @@
+"""`ferry-operator`: run the operator, print the CRD, validate manifests offline."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from .api.crd import crd_yaml
+
+    text = crd_yaml()
+    if args.output:
+        for out in args.output:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .api.validation import InvalidSpec, parse
+
+    failed = 0
+    for path in args.files:
+        for doc in yaml.safe_load_all(Path(path).read_text()):
+            if not doc or doc.get("kind") != "ModelWeights":
+                continue
+            name = doc.get("metadata", {}).get("name", "?")
+            try:
+                parse(doc)
+                print(f"{path}: ModelWeights/{name}: valid")
+            except InvalidSpec as exc:
+                failed += 1
+                for err in exc.errors:
+                    print(f"{path}: ModelWeights/{name}: {err}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ferry-operator", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("crd", help="print (or write) the ModelWeights CRD generated from the API types")
+    p.add_argument("-o", "--output", action="append", help="write to this file (repeatable)")
+    p.set_defaults(func=_crd)
+    p = sub.add_parser("validate", help="check ModelWeights manifests against the API rules, offline")
+    p.add_argument("files", nargs="+")
+    p.set_defaults(func=_validate)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Shared fixtures. Cluster tests run against a real kube-apiserver + etcd
+(e2e/localcluster.py): reused when one is up (`make cluster-up`), otherwise
+started for the session and stopped at its end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "e2e"))
+
+import localcluster  # noqa: E402
+
+CRD_FILE = REPO / "crds" / "ferry.dev_modelweights.yaml"
+
+
+@dataclass
+class Kube:
+    kubeconfig: Path
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, as_user: str | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        argv = ["kubectl", "--kubeconfig", str(self.kubeconfig), *args]
+        if as_user:
+            argv += ["--as", as_user]
+        proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    def get_json(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, obj: dict | str, *extra: str) -> subprocess.CompletedProcess:
+        text = obj if isinstance(obj, str) else json.dumps(obj)
+        return self.kubectl("apply", "-f", "-", *extra, input=text)
+
+
+@pytest.fixture(scope="session")
+def kube() -> Kube:
+    cluster = localcluster.Cluster()
+    started = False
+    if not cluster.running():
+        cluster.up()
+        started = True
+    yield Kube(localcluster.KUBECONFIG)
+    if started and not os.environ.get("FERRY_KEEP_CLUSTER"):
+        cluster.down(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def crd(kube: Kube) -> Kube:
+    """The generated CRD applied and Established."""
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelweights.ferry.dev")
+    return kube
+
+
+@pytest.fixture
+def namespace(kube: Kube) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kube.kubectl("create", "namespace", name)
+    yield name
+    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)

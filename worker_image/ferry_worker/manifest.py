@@ -1,0 +1,164 @@
+"""The integrity manifest: what "complete" means for a prepared directory.
+
+Every output file is written under a temporary name, fsynced and renamed into
+place (`atomic_file`); `ferry-manifest.json` (file, size, sha256 for each) is
+written last, the same way. A directory without a manifest is incomplete, and
+`verify` re-checks every file listed in one.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Iterator
+
+from . import __version__
+
+MANIFEST_NAME = "ferry-manifest.json"
+MANIFEST_VERSION = 1
+TMP_MARKER = ".ferry-tmp"
+HASH_CHUNK = 8 << 20
+
+
+class IntegrityError(Exception):
+    """A file is missing, has the wrong size or the wrong content."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative, POSIX separators
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    files: list[FileEntry]
+    source: str = ""
+    revision: str | None = None
+    format: str = "safetensors"
+    tool: str = f"ferry {__version__}"
+    created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    # Format-specific facts (e.g. tensorParallelSize, vllmVersion for sharded_state).
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        body = {
+            "manifestVersion": MANIFEST_VERSION,
+            "tool": self.tool,
+            "createdAt": self.created_at,
+            "source": self.source,
+            "revision": self.revision,
+            "format": self.format,
+            "totalBytes": self.total_bytes,
+            "extra": self.extra,
+            "files": [asdict(f) for f in sorted(self.files, key=lambda f: f.path)],
+        }
+        return (json.dumps(body, indent=2, sort_keys=False) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        body = json.loads(data)
+        if body.get("manifestVersion") != MANIFEST_VERSION:
+            raise IntegrityError(f"unsupported manifest version {body.get('manifestVersion')!r}")
+        return cls(
+            files=[FileEntry(**f) for f in body["files"]],
+            source=body.get("source", ""),
+            revision=body.get("revision"),
+            format=body.get("format", "safetensors"),
+            tool=body.get("tool", ""),
+            created_at=body.get("createdAt", ""),
+            extra=body.get("extra", {}),
+        )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])  # hashlib releases the GIL on large buffers
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}{TMP_MARKER}-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_file(final: Path, mode: str = "wb") -> Iterator[IO]:
+    """Write `final` via a temporary sibling: fsync, rename, fsync the directory.
+
+    On an exception the temporary file is removed and `final` is untouched.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(final)
+    f = open(tmp, mode)
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    path = directory / MANIFEST_NAME
+    if not path.exists():
+        return None
+    return Manifest.from_json(path.read_bytes())
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> str:
+    """Publish the manifest (last, atomically). Returns its digest, sha256:<hex>."""
+    data = manifest.to_json()
+    with atomic_file(directory / MANIFEST_NAME) as f:
+        f.write(data)
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def manifest_digest(directory: Path) -> str:
+    return "sha256:" + hashlib.sha256((directory / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+def verify(directory: Path, workers: int = 4) -> Manifest:
+    """Re-check every file in the manifest; raise IntegrityError naming the first bad one."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise IntegrityError(f"{directory}: no {MANIFEST_NAME} (incomplete or not prepared by ferry)")
+    entries = sorted(manifest.files, key=lambda e: e.path)
+    # Cheap checks first, so a missing or truncated file is reported without hashing everything.
+    for entry in entries:
+        path = directory / entry.path
+        if not path.is_file():
+            raise IntegrityError(f"{entry.path}: missing")
+        if path.stat().st_size != entry.size:
+            raise IntegrityError(f"{entry.path}: size {path.stat().st_size} != {entry.size} in manifest")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for entry, digest in zip(entries, pool.map(lambda e: sha256_file(directory / e.path), entries)):
+            if digest != entry.sha256:
+                raise IntegrityError(f"{entry.path}: sha256 {digest} != {entry.sha256} in manifest")
+    return manifest
