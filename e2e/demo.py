@@ -26,7 +26,7 @@ def step(title: str) -> None:
 
 
 def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = ["kubectl", "--kubeconfig", str(localcluster.KUBECONFIG), *args]
+    cmd = [localcluster.kubectl_path(), "--kubeconfig", str(localcluster.KUBECONFIG), *args]
     print("$ kubectl " + " ".join(args), flush=True)
     proc = subprocess.run(cmd, input=input, text=True, capture_output=True)
     sys.stdout.write(proc.stdout)

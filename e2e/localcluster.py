@@ -43,6 +43,11 @@ def binaries() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def kubectl_path() -> str:
+    """The kubectl built with the control plane (same release, no version skew)."""
+    return str(binaries() / "kubectl")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,6 +150,9 @@ class Cluster:
             "--secure-port", str(api_port),
             "--tls-cert-file", str(pki / "apiserver.crt"), "--tls-private-key-file", str(pki / "apiserver.key"),
             "--client-ca-file", str(ca),
+            "--requestheader-client-ca-file", str(ca),
+            "--requestheader-username-headers", "X-Remote-User",
+            "--requestheader-group-headers", "X-Remote-Group",
             "--token-auth-file", str(pki / "tokens.csv"),
             "--authorization-mode", "Node,RBAC",
             "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
@@ -170,7 +178,8 @@ class Cluster:
             "--root-ca-file", str(ca),
             "--leader-elect=false",
             "--bind-address", "127.0.0.1", "--secure-port", str(kcm_port),
-            "--controllers", "*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,-route",
+            # nodelifecycle stays: it lifts the not-ready taint once kwok reports the node Ready.
+            "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route",
             "--concurrent-deployment-syncs", "2",
         ])
         pids["kube-scheduler"] = self._spawn("kube-scheduler", [
@@ -188,6 +197,9 @@ class Cluster:
             "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
             "--node-ip", "127.0.0.1",
             "--cidr", "10.244.0.0/16",
+            # Renew node Leases, or the node-lifecycle controller marks the node
+            # and its pods NotReady after the grace period.
+            "--node-lease-duration-seconds", "40",
             "--server-address", f"127.0.0.1:{free_port()}",
         ])
         self.pids_file.write_text(json.dumps(pids))
@@ -215,11 +227,11 @@ class Cluster:
                              "ephemeral-storage": "2Ti"},
             },
         }
-        subprocess.run(["kubectl", "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],
+        subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],
                        input=json.dumps(node), text=True, check=True, capture_output=True)
 
     def _kubectl(self, *args: str, check: bool = True) -> int:
-        return subprocess.run(["kubectl", "--kubeconfig", str(KUBECONFIG), *args],
+        return subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), *args],
                               capture_output=True, check=check).returncode
 
     def _spawn(self, name: str, argv: list[str]) -> int:

@@ -24,12 +24,11 @@ CRD_FILE = REPO / "crds" / "ferry.dev_modelweights.yaml"
 @dataclass
 class Kube:
     kubeconfig: Path
+    kubectl_bin: str
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True, as_user: str | None = None,
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 60) -> subprocess.CompletedProcess:
-        argv = ["kubectl", "--kubeconfig", str(self.kubeconfig), *args]
-        if as_user:
-            argv += ["--as", as_user]
+        argv = [self.kubectl_bin, "--kubeconfig", str(self.kubeconfig), *args]
         proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
@@ -50,7 +49,7 @@ def kube() -> Kube:
     if not cluster.running():
         cluster.up()
         started = True
-    yield Kube(localcluster.KUBECONFIG)
+    yield Kube(localcluster.KUBECONFIG, localcluster.kubectl_path())
     if started and not os.environ.get("FERRY_KEEP_CLUSTER"):
         cluster.down(quiet=True)
 

@@ -2,6 +2,7 @@
 control plane, and its RBAC checked with `kubectl auth can-i` both ways."""
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -88,13 +89,14 @@ def test_chart_ships_the_generated_crd():
 
 @pytest.fixture(scope="module")
 def installed(kube, helm):
-    env = {"KUBECONFIG": str(kube.kubeconfig), "PATH": "/usr/bin:/bin",
+    env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig),
            "HELM_CACHE_HOME": str(localcluster.STATE / "helm/cache"),
            "HELM_CONFIG_HOME": str(localcluster.STATE / "helm/config"),
            "HELM_DATA_HOME": str(localcluster.STATE / "helm/data")}
+    # The worker's namespace exists before the release, as a user's would.
+    kube.kubectl("create", "namespace", "ml", check=False)
     run_helm(helm, "upgrade", "--install", "ferry", str(CHART), "--namespace", "ferry-system", "--create-namespace",
              "--set", "workerNamespaces={ml}", "--wait", "--timeout", "120s", env=env)
-    kube.kubectl("create", "namespace", "ml", check=False)
     yield kube
     run_helm(helm, "uninstall", "ferry", "--namespace", "ferry-system", "--wait", check=False, env=env)
 
@@ -147,10 +149,15 @@ def test_operator_runs_as_installed(installed):
 @pytest.mark.cluster
 @pytest.mark.helm
 @pytest.mark.parametrize("who,verb,resource,ns,allowed", RBAC_MATRIX,
-                         ids=[f"{w.split(':')[-1]}-{v}-{r.split('.')[0]}{'-' + n if n else ''}"
+                         ids=[f"{w.split(':')[-1]}-{v}-{r.replace('.ferry.dev', '')}{'-' + n if n else ''}"
                               for w, v, r, n, _ in RBAC_MATRIX])
 def test_rbac_matrix(installed, who, verb, resource, ns, allowed):
-    args = ["auth", "can-i", verb, resource, "--as", who]
+    # kubectl reads "type/x" as a resource name; subresources need their own flag.
+    resource, _, sub = resource.partition("/")
+    if sub in ("status", "finalizers"):
+        args = ["auth", "can-i", verb, resource, f"--subresource={sub}", "--as", who]
+    else:
+        args = ["auth", "can-i", verb, f"{resource}/{sub}" if sub else resource, "--as", who]
     args += ["-n", ns] if ns else ["--all-namespaces"]
     proc = installed.kubectl(*args, check=False)
     answer = proc.stdout.strip()

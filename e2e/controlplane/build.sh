@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Build the local control plane (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kwok) and helm from the Go module proxy, into a cache keyed by
-# version outside the repo. A warm cache returns in milliseconds.
+# kube-scheduler, kwok), a kubectl of the same release and helm from the Go
+# module proxy, into a cache keyed by version outside the repo. A warm cache
+# returns in milliseconds.
 #
 #   e2e/controlplane/build.sh            -> prints the bin directory
 #
 # Prebuilt binaries: set FERRY_K8S_ASSETS (or KUBEBUILDER_ASSETS) to a directory
-# holding etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
-# and helm; nothing is built then.
+# holding etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+# kubectl, kwok and helm; nothing is built then.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
+tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
 
 assets=${FERRY_K8S_ASSETS:-${KUBEBUILDER_ASSETS:-}}
 if [[ -n "$assets" ]]; then
@@ -57,7 +58,7 @@ build_kubernetes() {
     } > "$mod/go.mod"
   fi
   local targets=()
-  for t in kube-apiserver kube-controller-manager kube-scheduler; do
+  for t in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
     [[ -x "$bin/$t" ]] || targets+=("$t")
   done
   for t in "${targets[@]}"; do
