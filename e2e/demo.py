@@ -41,7 +41,7 @@ def main() -> None:
     localcluster.Cluster().up()
     step("Install the ModelWeights CRD generated from the API types")
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds/ferry.dev_modelweights.yaml"))
-    kubectl("wait", "--for=condition=Established", "crd/modelweights.ferry.dev", "--timeout=60s")
+    localcluster.wait_crd_established("modelweights.ferry.dev")
     step("Apply the examples")
     kubectl("apply", "-f", str(REPO / "e2e/examples"))
     step("A bad spec is rejected at admission, naming the field")

@@ -48,6 +48,19 @@ def kubectl_path() -> str:
     return str(binaries() / "kubectl")
 
 
+def wait_crd_established(crd: str, kubeconfig: Path = KUBECONFIG, timeout: float = 60) -> None:
+    """Poll until the CRD serves. (`kubectl wait` errors out while a new CRD has no conditions yet.)"""
+    jsonpath = '{.status.conditions[?(@.type=="Established")].status}'
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run([kubectl_path(), "--kubeconfig", str(kubeconfig), "get", "crd", crd, "-o",
+                              f"jsonpath={jsonpath}"], capture_output=True, text=True)
+        if out.stdout.strip() == "True":
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"CRD {crd} not Established after {timeout}s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

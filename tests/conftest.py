@@ -58,7 +58,7 @@ def kube() -> Kube:
 def crd(kube: Kube) -> Kube:
     """The generated CRD applied and Established."""
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/modelweights.ferry.dev")
+    localcluster.wait_crd_established("modelweights.ferry.dev", kube.kubeconfig)
     return kube
 
 
