@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,9 +41,35 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    import kopf
+
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    logging.basicConfig(level=os.environ.get("FERRY_LOG_LEVEL", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # kopf logs every timer run at INFO; Ferry logs what it does itself.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    kopf.run(
+        standalone=args.standalone,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or [],
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ferry-operator", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run the operator (kopf)")
+    p.add_argument("--standalone", action="store_true", help="no peering: the only operator instance")
+    p.add_argument("--namespace", action="append", help="watch this namespace (repeatable); default: all")
+    p.add_argument("--all-namespaces", action="store_true", help="watch all namespaces (the default)")
+    p.add_argument("--liveness", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.set_defaults(func=_run)
     p = sub.add_parser("crd", help="print (or write) the ModelWeights CRD generated from the API types")
     p.add_argument("-o", "--output", action="append", help="write to this file (repeatable)")
     p.set_defaults(func=_crd)

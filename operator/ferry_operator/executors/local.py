@@ -1,0 +1,109 @@
+"""The local executor: prepare steps as processes on the operator's own host.
+
+Artifacts go to ROOT/<namespace>/<name>/<spec-digest>/artifact (staging beside
+it); each step's pid, log and exit code live in ROOT/<namespace>/<name>/.steps/
+so the state survives an operator restart. Used by `make demo` and the tests,
+with a local control plane, so the whole main job runs on one machine.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..planner import ArtifactFacts, StepPhase, StepState
+from ..steps import Step
+
+MANIFEST = "ferry-manifest.json"
+
+
+class LocalExecutor:
+    def __init__(self, root: Path, ferry_bin: str, kubeconfig: str | None = None):
+        self.root = root
+        self.ferry_bin = ferry_bin
+        self.kubeconfig = kubeconfig
+
+    def _dir(self, namespace: str, name: str) -> Path:
+        return self.root / namespace / name
+
+    def _paths(self, namespace: str, name: str, digest: str) -> dict[str, Path]:
+        base = self._dir(namespace, name) / digest
+        return {"staging": base / "staging", "artifact": base / "artifact"}
+
+    def _state(self, namespace: str, name: str, step_id: str) -> Path:
+        return self._dir(namespace, name) / ".steps" / step_id
+
+    def source_path(self, uri: str) -> str:
+        # The worker resolves file:// itself; pvc:// has no meaning outside a cluster.
+        if uri.startswith("pvc://"):
+            raise ValueError("pvc:// sources need the kubernetes executor")
+        return uri
+
+    def observe(self, namespace: str, name: str, step: Step) -> StepState:
+        state = self._state(namespace, name, step.id)
+        rc_file = state / "rc"
+        if rc_file.exists():
+            rc = int(rc_file.read_text())
+            if rc == 0:
+                return StepState(StepPhase.SUCCEEDED)
+            return StepState(StepPhase.FAILED, _last_error(state / "log", rc))
+        pid_file = state / "pid"
+        if not pid_file.exists():
+            return StepState(StepPhase.NOT_STARTED)
+        if _alive(int(pid_file.read_text())):
+            return StepState(StepPhase.RUNNING)
+        return StepState(StepPhase.FAILED, "worker process exited without recording a status")
+
+    def start(self, namespace: str, name: str, step: Step, source_uri: str) -> None:
+        state = self._state(namespace, name, step.id)
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(parents=True)
+        paths = self._paths(namespace, name, step.digest)
+        mapping = {"source": self.source_path(source_uri), **{k: str(v) for k, v in paths.items()}}
+        argv = [self.ferry_bin, *(a.format(**mapping) for a in step.argv)]
+        env = {**os.environ, "FERRY_MODELWEIGHTS_NAME": name, "FERRY_MODELWEIGHTS_NAMESPACE": namespace}
+        if self.kubeconfig:
+            env["KUBECONFIG"] = self.kubeconfig
+        (state / "argv.json").write_text(json.dumps(argv))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ferry_operator.executors.local_runner", str(state), "--", *argv],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        (state / "pid").write_text(str(proc.pid))
+
+    def artifact(self, namespace: str, name: str, digest: str) -> ArtifactFacts | None:
+        directory = self._paths(namespace, name, digest)["artifact"]
+        manifest = directory / MANIFEST
+        if not manifest.is_file():
+            return None
+        data = manifest.read_bytes()
+        body = json.loads(data)
+        return ArtifactFacts(
+            uri=f"file://{directory}",
+            total_bytes=int(body["totalBytes"]),
+            manifest_digest="sha256:" + hashlib.sha256(data).hexdigest(),
+        )
+
+    def delete(self, namespace: str, name: str) -> None:
+        shutil.rmtree(self._dir(namespace, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _last_error(log: Path, rc: int) -> str:
+    lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()] if log.exists() else []
+    return f"exit code {rc}: {lines[-1][:500]}" if lines else f"exit code {rc}"

@@ -1,0 +1,153 @@
+"""The reconcile planner: observed state in, actions and status out. Pure.
+
+The kopf handlers gather what is (the spec, the status, each step's state from
+the executor) and apply what this returns; every decision lives here so it is
+tested without a cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .api.types import Artifact, Condition, ConditionType, ModelWeights, ModelWeightsStatus
+from .conditions import get_condition, now, phase_of, set_condition
+from .steps import Step, UnsupportedSpec, prepare_steps
+
+
+class StepPhase(str, Enum):
+    NOT_STARTED = "NotStarted"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class StepState:
+    phase: StepPhase
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ArtifactFacts:
+    """What the executor read from a completed artifact's manifest."""
+
+    uri: str
+    total_bytes: int
+    manifest_digest: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    steps: dict[str, StepState] = field(default_factory=dict)  # by Step.id
+    artifact: ArtifactFacts | None = None  # the artifact of the current spec, once complete
+
+
+@dataclass(frozen=True)
+class StartStep:
+    step: Step
+
+
+@dataclass
+class Plan:
+    actions: list[StartStep]
+    status: ModelWeightsStatus
+    # Seconds until the handlers should look again (None: only on change).
+    requeue_after: float | None
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):
+        if n < 1024 or unit == "Pi":
+            return f"{n:.0f}{unit}" if unit == "" or n >= 100 else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan(mw: ModelWeights, observed: Observed) -> Plan:
+    generation = mw.metadata.generation or 0
+    status = (mw.status or ModelWeightsStatus()).model_copy(deep=True)
+    conditions: list[Condition] = list(status.conditions)
+    at = now()
+
+    def cond(t: ConditionType, value: bool | None, reason: str, message: str) -> None:
+        nonlocal conditions
+        conditions = set_condition(conditions, t, value, reason, message, generation, at)
+
+    try:
+        steps = prepare_steps(mw.spec)
+    except UnsupportedSpec as exc:
+        cond(ConditionType.STALLED, True, "UnsupportedSpec", str(exc))
+        cond(ConditionType.RECONCILING, False, "UnsupportedSpec", str(exc))
+        cond(ConditionType.READY, False, "UnsupportedSpec", str(exc))
+        return _finish(status, conditions, generation, None, [], None)
+
+    actions: list[StartStep] = []
+    running: str | None = None
+    for step in steps:
+        state = observed.steps.get(step.id, StepState(StepPhase.NOT_STARTED))
+        if state.phase == StepPhase.SUCCEEDED:
+            if step.name == "fetch":
+                cond(ConditionType.DOWNLOADED, True, "Fetched", "weights fetched and verified")
+            continue
+        if state.phase == StepPhase.FAILED:
+            message = f"{step.name} failed: {state.message}".strip()
+            cond(ConditionType.STALLED, True, f"{step.name.capitalize()}Failed", message)
+            cond(ConditionType.RECONCILING, False, "Failed", message)
+            cond(ConditionType.READY, False, f"{step.name.capitalize()}Failed", message)
+            if step.name == "fetch":
+                cond(ConditionType.DOWNLOADED, False, "FetchFailed", message)
+            cond(ConditionType.PREPARED, False, f"{step.name.capitalize()}Failed", message)
+            return _finish(status, conditions, generation, None, [], None)
+        if state.phase == StepPhase.NOT_STARTED:
+            actions.append(StartStep(step))
+        running = step.name
+        break
+
+    # Clear a Stalled left by an earlier generation once work moves again.
+    if get_condition(conditions, ConditionType.STALLED) is not None:
+        cond(ConditionType.STALLED, False, "Progressing", "")
+
+    if running is not None:
+        message = f"step {running} {'starting' if actions else 'running'}"
+        if running == "fetch":
+            cond(ConditionType.DOWNLOADED, False, "Fetching", message)
+        cond(ConditionType.PREPARED, False, "Preparing", message)
+        cond(ConditionType.RECONCILING, True, running.capitalize(), message)
+        cond(ConditionType.READY, False, "Preparing", message)
+        return _finish(status, conditions, generation, None, actions, running, requeue=2.0)
+
+    artifact = observed.artifact
+    if steps and artifact is None:
+        # Steps succeeded but the manifest is not readable: never call that complete.
+        message = "all steps succeeded but the artifact has no readable manifest"
+        cond(ConditionType.STALLED, True, "ArtifactIncomplete", message)
+        cond(ConditionType.READY, False, "ArtifactIncomplete", message)
+        return _finish(status, conditions, generation, None, [], None)
+
+    fmt = mw.spec.format
+    facts = None
+    if artifact is not None:
+        facts = Artifact(
+            uri=artifact.uri, format=fmt.type, tensor_parallel_size=fmt.tensor_parallel_size,
+            pipeline_parallel_size=fmt.pipeline_parallel_size, vllm_version=fmt.vllm_version,
+            total_bytes=artifact.total_bytes, size=human_bytes(artifact.total_bytes),
+            manifest_digest=artifact.manifest_digest,
+        )
+        cond(ConditionType.PREPARED, True, "Prepared", f"{facts.size} at {artifact.uri}")
+    else:
+        cond(ConditionType.PREPARED, True, "NothingToPrepare", "vLLM streams the weights from the source")
+    cond(ConditionType.RECONCILING, False, "Prepared", "")
+    cond(ConditionType.READY, True, "Prepared", "artifact prepared and verified")
+    return _finish(status, conditions, generation, facts, [], None)
+
+
+def _finish(status: ModelWeightsStatus, conditions: list[Condition], generation: int, artifact: Artifact | None,
+            actions: list[StartStep], running: str | None, requeue: float | None = None) -> Plan:
+    status.conditions = sorted(conditions, key=lambda c: c.type)
+    status.observed_generation = generation
+    status.phase = phase_of(status.conditions, running)
+    if artifact is not None:
+        status.artifact = artifact
+    if running is None and status.progress is not None and status.phase != "Failed":
+        status.progress = None  # the step that reported it is over
+    return Plan(actions=actions, status=status, requeue_after=requeue)

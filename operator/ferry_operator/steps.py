@@ -1,0 +1,74 @@
+"""Which worker steps prepare a ModelWeights, as data.
+
+Each step is a `ferry` worker command over logical locations ({source},
+{staging}, {artifact}) that an executor maps to real paths: a directory on the
+operator's host (local executor) or a mount in a Job (Kubernetes executor).
+A step's id carries a digest of the spec fields that shape its output, so a
+spec change prepares a new artifact beside the old one instead of mutating it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from kubernetes.utils import parse_quantity
+
+from .api.types import FormatType, ModelWeightsSpec
+
+
+class UnsupportedSpec(Exception):
+    """The spec is valid but this build of Ferry cannot prepare it (yet)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # fetch | shard
+    argv: tuple[str, ...]  # `ferry` arguments; may contain {source}, {staging}, {artifact}
+    digest: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-{self.digest}"
+
+
+def spec_digest(spec: ModelWeightsSpec) -> str:
+    """Digest of what determines the artifact's bytes (not serving or deletion settings)."""
+    shaping = {
+        "source": spec.source.model_dump(mode="json", exclude={"credentials_secret_ref"}),
+        "format": spec.format.model_dump(mode="json", exclude={"runai_streamer"}),
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fetch_argv(spec: ModelWeightsSpec, output: str) -> tuple[str, ...]:
+    argv = ["fetch", "--source", "{source}", "--output", output]
+    if spec.source.revision:
+        argv += ["--revision", spec.source.revision]
+    for p in spec.source.allow_patterns:
+        argv += ["--allow-pattern", p]
+    for p in spec.source.ignore_patterns:
+        argv += ["--ignore-pattern", p]
+    return tuple(argv)
+
+
+def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
+    """The ordered steps that turn the source into the artifact; empty if nothing is prepared."""
+    digest = spec_digest(spec)
+    fmt = spec.format
+    if fmt.type == FormatType.SAFETENSORS.value:
+        return [Step("fetch", fetch_argv(spec, "{artifact}"), digest)]
+    if fmt.type == FormatType.SHARDED_STATE.value:
+        shard = (
+            "shard", "--source", "{staging}", "--output", "{artifact}",
+            "--tensor-parallel-size", str(fmt.tensor_parallel_size),
+            "--pipeline-parallel-size", str(fmt.pipeline_parallel_size),
+            "--vllm-version", fmt.vllm_version,
+            "--max-part-size", str(int(parse_quantity(fmt.max_part_size))),
+        )
+        return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("shard", shard, digest)]
+    if fmt.type == FormatType.RUNAI_STREAMER.value and spec.source.uri.startswith("s3://") and not (
+        spec.storage and spec.storage.s3
+    ):
+        return []  # vLLM streams straight from the source bucket
+    raise UnsupportedSpec(f"preparing format {fmt.type!r} from {spec.source.uri.split(':')[0]}:// is not implemented yet")
