@@ -95,7 +95,9 @@ def test_spec_change_prepares_a_new_artifact(crd, namespace, operator, tmp_path)
     crd.apply(modelweights("rev", namespace, f"file://{src}"))
     wait_condition(crd, namespace, "rev", "Ready")
     first = crd.get_json("mw", "rev", "-n", namespace)["status"]["artifact"]["uri"]
-    crd.apply(modelweights("rev", namespace, f"file://{src}", format={"tensorParallelSize": 2}))
+    changed = modelweights("rev", namespace, f"file://{src}")
+    changed["spec"]["source"]["allowPatterns"] = ["*.safetensors"]  # selection shapes the artifact
+    crd.apply(changed)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status = crd.get_json("mw", "rev", "-n", namespace)["status"]
@@ -103,4 +105,74 @@ def test_spec_change_prepares_a_new_artifact(crd, namespace, operator, tmp_path)
             break
         time.sleep(0.5)
     assert status["observedGeneration"] == 2 and status["phase"] == "Ready", status
-    assert status["artifact"]["uri"] != first and status["artifact"]["tensorParallelSize"] == 2
+    assert status["artifact"]["uri"] != first
+
+
+def vllm_deployment(namespace, name="tiny-vllm"):
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [
+                    {"name": "sidecar", "image": "busybox"},
+                    {"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                     "args": ["--model", "placeholder", "--max-model-len", "4096", "-tp=8"],
+                     "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}}
+
+
+def replica_sets(kube, namespace, app):
+    return kube.get_json("rs", "-n", namespace, "-l", f"app={app}")["items"]
+
+
+def test_serving_deployment_is_wired_and_rolled_on_spec_change(crd, namespace, operator, tmp_path):
+    src = tiny_checkpoint(tmp_path / "src")
+    crd.apply(vllm_deployment(namespace))
+    crd.apply(modelweights("served", namespace, f"file://{src}",
+                           serving={"deployments": [{"name": "tiny-vllm", "container": "vllm"}]}))
+    wait_condition(crd, namespace, "served", "Ready")
+    status = crd.get_json("mw", "served", "-n", namespace)["status"]
+    by_type = {c["type"]: c for c in status["conditions"]}
+    assert by_type["ServingUpdated"]["status"] == "True"
+    dep = crd.get_json("deployment", "tiny-vllm", "-n", namespace)
+    template = dep["spec"]["template"]
+    sidecar, vllm = template["spec"]["containers"]
+    assert "args" not in sidecar  # only the named container is touched
+    assert vllm["args"] == ["--max-model-len", "4096", "--model", "/ferry/weights", "--load-format", "safetensors",
+                            "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
+    assert template["metadata"]["annotations"]["ferry.dev/artifact-digest"] == status["artifact"]["manifestDigest"]
+    (volume,) = template["spec"]["volumes"]
+    assert volume["hostPath"]["path"] == status["artifact"]["uri"].removeprefix("file://")
+    assert vllm["volumeMounts"] == [{"name": "ferry-weights", "mountPath": "/ferry/weights", "readOnly": True}]
+    assert dep["status"]["updatedReplicas"] == 2 and dep["status"]["availableReplicas"] == 2
+    generation = dep["metadata"]["generation"]
+    first_uri = status["artifact"]["uri"]
+
+    # A serving flag change rolls the Deployment once, on the same artifact.
+    crd.apply(modelweights("served", namespace, f"file://{src}", format={"tensorParallelSize": 2},
+                           serving={"deployments": [{"name": "tiny-vllm", "container": "vllm"}]}))
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        status = crd.get_json("mw", "served", "-n", namespace)["status"]
+        if status.get("observedGeneration") == 2 and status.get("phase") == "Ready":
+            break
+        time.sleep(0.5)
+    assert status["observedGeneration"] == 2 and status["phase"] == "Ready", status
+    dep = crd.get_json("deployment", "tiny-vllm", "-n", namespace)
+    vllm = dep["spec"]["template"]["spec"]["containers"][1]
+    assert vllm["args"][vllm["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert dep["metadata"]["generation"] == generation + 1  # exactly one more rollout
+    assert dep["spec"]["template"]["metadata"]["annotations"]["ferry.dev/artifact-digest"] == \
+        status["artifact"]["manifestDigest"]
+    assert status["artifact"]["uri"] == first_uri  # nothing re-prepared
+    assert len(replica_sets(crd, namespace, "tiny-vllm")) == 3  # original, first wiring, the change
+
+
+def test_missing_container_stalls_naming_it(crd, namespace, operator, tmp_path):
+    src = tiny_checkpoint(tmp_path / "src")
+    crd.apply(vllm_deployment(namespace, "other"))
+    crd.apply(modelweights("wrong", namespace, f"file://{src}",
+                           serving={"deployments": [{"name": "other", "container": "engine"}]}))
+    wait_condition(crd, namespace, "wrong", "Stalled")
+    status = crd.get_json("mw", "wrong", "-n", namespace)["status"]
+    stalled = next(c for c in status["conditions"] if c["type"] == "Stalled")
+    assert stalled["reason"] == "ServingError" and "'engine'" in stalled["message"]

@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 
 from ferry_operator.api.validation import parse
-from ferry_operator.planner import ArtifactFacts, Observed, StartStep, StepPhase, StepState, human_bytes, plan
+from ferry_operator.planner import (
+    ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, human_bytes, plan,
+)
+from ferry_operator.serving import DIGEST_ANNOTATION, DeploymentFacts
 from ferry_operator.steps import prepare_steps, spec_digest
 from spec_cases import manifest, with_
 
@@ -57,22 +60,74 @@ def test_after_fetch_the_shard_step_starts():
     assert p.status.phase == "Preparing"
 
 
-def test_all_steps_done_with_a_manifest_is_ready():
+FACTS = ArtifactFacts(uri="pvc://llama-weights/llama/abc", total_bytes=3 << 30, manifest_digest="sha256:" + "0" * 64)
+VLLM_ARGS = ["--model", "meta-llama/Meta-Llama-3-70B-Instruct", "--max-model-len", "8192", "-tp", "2"]
+
+
+def prepared(m):
+    return {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}
+
+
+def deployment(args=VLLM_ARGS, digest=None, rolled_out=True, containers=("vllm",)):
+    return DeploymentFacts(name="llama-70b-vllm", containers={c: list(args) for c in containers},
+                           template_annotations={DIGEST_ANNOTATION: digest} if digest else {},
+                           rolled_out=rolled_out)
+
+
+def test_prepared_artifact_patches_the_serving_deployment():
     m = mw()
-    steps = prepare_steps(m.spec)
-    facts = ArtifactFacts(uri="file:///a", total_bytes=3 << 30, manifest_digest="sha256:" + "0" * 64)
-    p = plan(m, Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in steps}, artifact=facts))
-    assert p.actions == []
-    assert conds(p)["Ready"] == ("True", "Prepared")
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    (action,) = p.actions
+    assert isinstance(action, PatchDeployment) and action.name == "llama-70b-vllm"
+    template = action.patch["spec"]["template"]
+    assert template["metadata"]["annotations"][DIGEST_ANNOTATION] == FACTS.manifest_digest
+    (c,) = template["spec"]["containers"]
+    assert c["name"] == "vllm"
+    # The user's flags stay; Ferry's replace theirs (aliases included).
+    assert c["args"] == ["--max-model-len", "8192", "--model", "/ferry/weights", "--load-format", "sharded_state",
+                         "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1"]
+    assert c["volumeMounts"] == [{"name": "ferry-weights", "mountPath": "/ferry/weights", "readOnly": True,
+                                  "subPath": "llama/abc"}]
+    assert template["spec"]["volumes"] == [{"name": "ferry-weights", "persistentVolumeClaim": {
+        "claimName": "llama-weights", "readOnly": True}}]
+    assert conds(p)["ServingUpdated"] == ("False", "RollingOut")
+    assert p.status.phase == "Wiring"
+
+
+def test_wired_and_rolled_out_is_ready():
+    m = mw()
+    first = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    args = first.actions[0].patch["spec"]["template"]["spec"]["containers"][0]["args"]
+    wired = deployment(args=args, digest=FACTS.manifest_digest)
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": wired}))
+    assert p.actions == []  # idempotent: nothing to patch again
+    assert conds(p)["ServingUpdated"] == ("True", "RolledOut")
+    assert conds(p)["Ready"] == ("True", "Ready")
     assert conds(p)["Reconciling"][0] == "False"
     assert p.status.phase == "Ready"
     assert p.status.artifact.size == "3.0Gi" and p.status.artifact.tensor_parallel_size == 4
+    rolling = deployment(args=args, digest=FACTS.manifest_digest, rolled_out=False)
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": rolling}))
+    assert p.actions == []
+    assert conds(p)["ServingUpdated"] == ("False", "RollingOut") and conds(p)["Ready"][0] == "False"
+
+
+def test_a_missing_deployment_waits_and_a_missing_container_stalls():
+    m = mw()
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": None}))
+    assert conds(p)["ServingUpdated"] == ("False", "DeploymentNotFound") and p.actions == []
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS,
+                         deployments={"llama-70b-vllm": deployment(containers=("server",))}))
+    assert conds(p)["Stalled"] == ("True", "ServingError")
+    stalled = next(c for c in p.status.conditions if c.type == "Stalled")
+    assert "no container 'vllm'" in stalled.message and "server" in stalled.message
 
 
 def test_steps_done_without_a_manifest_is_never_ready():
     m = mw()
     steps = prepare_steps(m.spec)
-    p = plan(m, Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in steps}, artifact=None))
+    p = plan(m, Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in steps}, artifact=None,
+                         deployments={"llama-70b-vllm": deployment()}))
     assert conds(p)["Ready"][0] == "False"
     assert conds(p)["Stalled"] == ("True", "ArtifactIncomplete")
 
@@ -100,10 +155,14 @@ def test_transition_time_kept_while_status_unchanged():
 
 def test_spec_change_that_shapes_the_artifact_changes_the_step_ids():
     a = mw()
-    b = mw(with_("format.tensorParallelSize", 8))
-    c = mw(with_("serving.deployments", [{"name": "other"}]))
-    assert spec_digest(a.spec) != spec_digest(b.spec)
-    assert spec_digest(a.spec) == spec_digest(c.spec)  # serving does not reshape the artifact
+    assert spec_digest(a.spec) != spec_digest(mw(with_("format.tensorParallelSize", 8)).spec)
+    assert spec_digest(a.spec) != spec_digest(mw(with_("source.revision", "v2")).spec)
+    # Serving and deletion settings do not reshape the artifact.
+    assert spec_digest(a.spec) == spec_digest(mw(with_("serving.deployments", [{"name": "other"}])).spec)
+    assert spec_digest(a.spec) == spec_digest(mw(with_("deletionPolicy", "Delete")).spec)
+    # Nor does the TP of a plain safetensors copy: only the serving flag changes.
+    plain = with_("format", {"type": "safetensors", "tensorParallelSize": 2})
+    assert spec_digest(mw(plain).spec) == spec_digest(mw(with_("format.tensorParallelSize", 8, plain)).spec)
 
 
 def test_unsupported_format_stalls_clearly():
@@ -113,10 +172,17 @@ def test_unsupported_format_stalls_clearly():
     assert p.actions == []
 
 
-def test_runai_streamer_from_s3_needs_no_preparation():
-    m = mw(manifest(source={"uri": "s3://models/qwen"}, storage=None, format={"type": "runai_streamer"}))
-    p = plan(m, Observed())
-    assert p.actions == [] and conds(p)["Ready"][0] == "True"
+def test_runai_streamer_from_s3_needs_no_preparation_and_streams_from_the_source():
+    m = mw(manifest(source={"uri": "s3://models/qwen", "credentialsSecretRef": {"name": "s3"}}, storage=None,
+                    format={"type": "runai_streamer", "runaiStreamer": {"concurrency": 32}}))
+    p = plan(m, Observed(deployments={"llama-70b-vllm": deployment()}))
+    (action,) = p.actions
+    c = action.patch["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--model") + 1] == "s3://models/qwen"
+    assert c["args"][c["args"].index("--model-loader-extra-config") + 1] == '{"concurrency": 32}'
+    assert "volumeMounts" not in c
+    assert {e["name"] for e in c["env"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+    assert action.patch["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] == "s3://models/qwen"
 
 
 @pytest.mark.parametrize("n,text", [(0, "0"), (1023, "1023"), (1536, "1.5Ki"), (141 << 30, "141Gi")])

@@ -18,7 +18,8 @@ from .api.types import GROUP, PLURAL, VERSION, ConditionType, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
 from .conditions import set_condition
 from .executors.local import LocalExecutor
-from .planner import Observed, plan
+from .planner import Observed, PatchDeployment, StartStep, plan
+from .serving import DeploymentFacts
 from .steps import UnsupportedSpec, prepare_steps, spec_digest
 
 RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
@@ -38,11 +39,19 @@ def make_executor() -> LocalExecutor:
 
 
 EXECUTOR: LocalExecutor | None = None
+APPS: Any = None  # kubernetes.client.AppsV1Api
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global EXECUTOR
+    global EXECUTOR, APPS
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    APPS = kubernetes.client.AppsV1Api()
     EXECUTOR = make_executor()
     # Keep kopf's bookkeeping in annotations: status belongs to the API's schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="ferry.dev")
@@ -50,6 +59,31 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="ferry.dev", key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+
+
+def read_deployment(namespace: str, name: str) -> DeploymentFacts | None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        d = APPS.read_namespaced_deployment(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    want = d.spec.replicas if d.spec.replicas is not None else 1
+    st = d.status
+    rolled_out = (
+        (st.observed_generation or 0) >= d.metadata.generation
+        and (st.updated_replicas or 0) == want
+        and (st.replicas or 0) == want  # no old pods left
+        and (st.available_replicas or 0) == want
+    )
+    return DeploymentFacts(
+        name=name,
+        containers={c.name: list(c.args or []) for c in d.spec.template.spec.containers},
+        template_annotations=dict(d.spec.template.metadata.annotations or {}),
+        rolled_out=rolled_out,
+    )
 
 
 def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str, Any]:
@@ -81,14 +115,21 @@ def reconcile(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, **_
         status.phase = "Failed"
         patch.status.update(_status_patch(raw_status, status))
         return
+    refs = mw.spec.serving.deployments if mw.spec.serving else []
     observed = Observed(
         steps={s.id: EXECUTOR.observe(namespace, name, s) for s in steps},
         artifact=EXECUTOR.artifact(namespace, name, spec_digest(mw.spec)) if steps else None,
+        deployments={r.name: read_deployment(namespace, r.name) for r in refs},
     )
     result = plan(mw, observed)
     for action in result.actions:
-        log.info("%s/%s: starting step %s", namespace, name, action.step.id)
-        EXECUTOR.start(namespace, name, action.step, mw.spec.source.uri)
+        if isinstance(action, StartStep):
+            log.info("%s/%s: starting step %s", namespace, name, action.step.id)
+            EXECUTOR.start(namespace, name, action.step, mw.spec.source.uri)
+        elif isinstance(action, PatchDeployment):
+            log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
+            APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
+                                             _content_type="application/strategic-merge-patch+json")
     patch.status.update(_status_patch(raw_status, result.status))
 
 

@@ -11,6 +11,7 @@ from enum import Enum
 
 from .api.types import Artifact, Condition, ConditionType, ModelWeights, ModelWeightsStatus
 from .conditions import get_condition, now, phase_of, set_condition
+from .serving import DeploymentFacts, ServingError, deployment_patch
 from .steps import Step, UnsupportedSpec, prepare_steps
 
 
@@ -40,6 +41,7 @@ class ArtifactFacts:
 class Observed:
     steps: dict[str, StepState] = field(default_factory=dict)  # by Step.id
     artifact: ArtifactFacts | None = None  # the artifact of the current spec, once complete
+    deployments: dict[str, DeploymentFacts | None] = field(default_factory=dict)  # None: not found
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,15 @@ class StartStep:
     step: Step
 
 
+@dataclass(frozen=True)
+class PatchDeployment:
+    name: str
+    patch: dict
+
+
 @dataclass
 class Plan:
-    actions: list[StartStep]
+    actions: list[StartStep | PatchDeployment]
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
@@ -125,24 +133,57 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
         return _finish(status, conditions, generation, None, [], None)
 
     fmt = mw.spec.format
-    facts = None
+    facts = Artifact(
+        uri=artifact.uri if artifact else mw.spec.source.uri, format=fmt.type,
+        tensor_parallel_size=fmt.tensor_parallel_size, pipeline_parallel_size=fmt.pipeline_parallel_size,
+        vllm_version=fmt.vllm_version,
+        total_bytes=artifact.total_bytes if artifact else 0,
+        size=human_bytes(artifact.total_bytes) if artifact else None,
+        manifest_digest=artifact.manifest_digest if artifact else None,
+    )
     if artifact is not None:
-        facts = Artifact(
-            uri=artifact.uri, format=fmt.type, tensor_parallel_size=fmt.tensor_parallel_size,
-            pipeline_parallel_size=fmt.pipeline_parallel_size, vllm_version=fmt.vllm_version,
-            total_bytes=artifact.total_bytes, size=human_bytes(artifact.total_bytes),
-            manifest_digest=artifact.manifest_digest,
-        )
         cond(ConditionType.PREPARED, True, "Prepared", f"{facts.size} at {artifact.uri}")
     else:
         cond(ConditionType.PREPARED, True, "NothingToPrepare", "vLLM streams the weights from the source")
-    cond(ConditionType.RECONCILING, False, "Prepared", "")
-    cond(ConditionType.READY, True, "Prepared", "artifact prepared and verified")
+
+    refs = mw.spec.serving.deployments if mw.spec.serving else []
+    actions, waiting = [], []
+    for ref in refs:
+        current = observed.deployments.get(ref.name)
+        if current is None:
+            waiting.append(f"deployment {ref.name} not found")
+            continue
+        try:
+            patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current)
+        except ServingError as exc:
+            cond(ConditionType.SERVING_UPDATED, False, "ServingError", str(exc))
+            cond(ConditionType.STALLED, True, "ServingError", str(exc))
+            cond(ConditionType.RECONCILING, False, "ServingError", str(exc))
+            cond(ConditionType.READY, False, "ServingError", str(exc))
+            return _finish(status, conditions, generation, facts, [], None)
+        if patch is not None:
+            actions.append(PatchDeployment(ref.name, patch))
+            waiting.append(f"deployment {ref.name} patched")
+        elif not current.rolled_out:
+            waiting.append(f"deployment {ref.name} rolling out")
+    if waiting:
+        message = "; ".join(waiting)
+        reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
+        cond(ConditionType.SERVING_UPDATED, False, reason, message)
+        cond(ConditionType.RECONCILING, True, reason, message)
+        cond(ConditionType.READY, False, reason, message)
+        return _finish(status, conditions, generation, facts, actions, None, requeue=2.0)
+    if refs:
+        cond(ConditionType.SERVING_UPDATED, True, "RolledOut",
+             ", ".join(r.name for r in refs) + " serve the artifact")
+    cond(ConditionType.RECONCILING, False, "Ready", "")
+    cond(ConditionType.READY, True, "Ready",
+         "artifact prepared and verified" + ("; serving deployments rolled out" if refs else ""))
     return _finish(status, conditions, generation, facts, [], None)
 
 
 def _finish(status: ModelWeightsStatus, conditions: list[Condition], generation: int, artifact: Artifact | None,
-            actions: list[StartStep], running: str | None, requeue: float | None = None) -> Plan:
+            actions: list[StartStep | PatchDeployment], running: str | None, requeue: float | None = None) -> Plan:
     status.conditions = sorted(conditions, key=lambda c: c.type)
     status.observed_generation = generation
     status.phase = phase_of(status.conditions, running)

@@ -32,11 +32,23 @@ class Step:
         return f"{self.name}-{self.digest}"
 
 
+# Format fields that shape the prepared bytes; the rest (e.g. tensorParallelSize
+# of a plain safetensors copy) only change serving flags.
+SHAPING_FORMAT_FIELDS = {
+    FormatType.SAFETENSORS.value: set(),
+    FormatType.SHARDED_STATE.value: {"tensor_parallel_size", "pipeline_parallel_size", "vllm_version", "max_part_size"},
+    FormatType.TENSORIZER.value: {"tensor_parallel_size", "vllm_version", "tensorizer"},
+    FormatType.RUNAI_STREAMER.value: set(),
+}
+
+
 def spec_digest(spec: ModelWeightsSpec) -> str:
-    """Digest of what determines the artifact's bytes (not serving or deletion settings)."""
+    """Digest of what determines the artifact's bytes (not serving flags or deletion settings)."""
+    fmt = spec.format
     shaping = {
         "source": spec.source.model_dump(mode="json", exclude={"credentials_secret_ref"}),
-        "format": spec.format.model_dump(mode="json", exclude={"runai_streamer"}),
+        "format": fmt.type,
+        **fmt.model_dump(mode="json", include=SHAPING_FORMAT_FIELDS[fmt.type]),
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
