@@ -188,3 +188,14 @@ def test_runai_streamer_from_s3_needs_no_preparation_and_streams_from_the_source
 @pytest.mark.parametrize("n,text", [(0, "0"), (1023, "1023"), (1536, "1.5Ki"), (141 << 30, "141Gi")])
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+def test_ready_clears_an_earlier_stall():
+    m = mw()
+    steps = prepare_steps(m.spec)
+    done = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
+    stalled = plan(m, Observed(steps=done, artifact=None, deployments={"llama-70b-vllm": deployment()}))
+    assert conds(stalled)["Stalled"][0] == "True"
+    m2 = m.model_copy(update={"status": stalled.status})
+    first = plan(m2, Observed(steps=done, artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    assert conds(first)["Stalled"][0] == "False"

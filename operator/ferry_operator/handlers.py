@@ -5,40 +5,59 @@ what to do, starts what it says, and writes the status it computed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 
-from .api.types import GROUP, PLURAL, VERSION, ConditionType, ModelWeightsStatus
+from .api.types import GROUP, PLURAL, VERSION, ConditionType, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
 from .conditions import set_condition
-from .executors.local import LocalExecutor
-from .planner import Observed, PatchDeployment, StartStep, plan
+from .planner import ArtifactFacts, Observed, PatchDeployment, StartStep, StepState, plan
 from .serving import DeploymentFacts
-from .steps import UnsupportedSpec, prepare_steps, spec_digest
+from .steps import Step, UnsupportedSpec, prepare_steps
 
 RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
 log = logging.getLogger("ferry_operator")
 
 
-def make_executor() -> LocalExecutor:
+class Executor(Protocol):
+    def start(self, mw: ModelWeights, uid: str, step: Step) -> None: ...
+    def observe(self, mw: ModelWeights, step: Step) -> StepState: ...
+    def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None: ...
+
+
+def make_executor() -> Executor:
     kind = os.environ.get("FERRY_EXECUTOR", "local")
-    if kind != "local":
-        raise SystemExit(f"FERRY_EXECUTOR={kind!r}: only the local executor is implemented in this build")
-    ferry = shutil.which("ferry") or str(Path(sys.executable).with_name("ferry"))
-    return LocalExecutor(
-        root=Path(os.environ.get("FERRY_LOCAL_ROOT", ".ferry/artifacts")).resolve(),
-        ferry_bin=ferry,
-        kubeconfig=os.environ.get("KUBECONFIG"),
-    )
+    if kind == "kubernetes":
+        from .executors.jobs import WorkerSettings
+        from .executors.kubernetes import KubernetesExecutor
+
+        return KubernetesExecutor(WorkerSettings(
+            image=os.environ["FERRY_WORKER_IMAGE"],
+            service_account=os.environ.get("FERRY_WORKER_SERVICE_ACCOUNT", "ferry-worker"),
+            cluster_role=os.environ.get("FERRY_WORKER_CLUSTER_ROLE", "ferry-worker"),
+            resources=json.loads(os.environ.get("FERRY_WORKER_RESOURCES", "{}")),
+            node_selector=json.loads(os.environ.get("FERRY_WORKER_NODE_SELECTOR", "{}")),
+            tolerations=json.loads(os.environ.get("FERRY_WORKER_TOLERATIONS", "[]")),
+        ))
+    if kind == "local":
+        from .executors.local import LocalExecutor
+
+        return LocalExecutor(
+            root=Path(os.environ.get("FERRY_LOCAL_ROOT", ".ferry/artifacts")).resolve(),
+            ferry_bin=shutil.which("ferry") or str(Path(sys.executable).with_name("ferry")),
+            kubeconfig=os.environ.get("KUBECONFIG"),
+        )
+    raise SystemExit(f"FERRY_EXECUTOR={kind!r}: use local or kubernetes")
 
 
-EXECUTOR: LocalExecutor | None = None
+EXECUTOR: Executor | None = None
 APPS: Any = None  # kubernetes.client.AppsV1Api
 
 
@@ -99,7 +118,7 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
-def reconcile(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, **_: Any) -> None:
+def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch, **_: Any) -> None:
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
     try:
@@ -117,15 +136,15 @@ def reconcile(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, **_
         return
     refs = mw.spec.serving.deployments if mw.spec.serving else []
     observed = Observed(
-        steps={s.id: EXECUTOR.observe(namespace, name, s) for s in steps},
-        artifact=EXECUTOR.artifact(namespace, name, spec_digest(mw.spec)) if steps else None,
+        steps={s.id: EXECUTOR.observe(mw, s) for s in steps},
+        artifact=EXECUTOR.artifact(mw, steps[-1]) if steps else None,
         deployments={r.name: read_deployment(namespace, r.name) for r in refs},
     )
     result = plan(mw, observed)
     for action in result.actions:
         if isinstance(action, StartStep):
             log.info("%s/%s: starting step %s", namespace, name, action.step.id)
-            EXECUTOR.start(namespace, name, action.step, mw.spec.source.uri)
+            EXECUTOR.start(mw, uid, action.step)
         elif isinstance(action, PatchDeployment):
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
@@ -133,9 +152,13 @@ def reconcile(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, **_
     patch.status.update(_status_patch(raw_status, result.status))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
-def delete(spec: kopf.Spec, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+@kopf.on.delete(GROUP, VERSION, PLURAL, when=lambda spec, **_: spec.get("deletionPolicy") == "Delete")
+def delete(body: kopf.Body, **_: Any) -> None:
+    """deletionPolicy Delete: the local executor removes its directory; on a
+    cluster, garbage collection removes the claim Ferry created (owner reference)."""
     assert EXECUTOR is not None
-    if spec.get("deletionPolicy") == "Delete":
-        logger.info("deletionPolicy Delete: removing prepared data")
-        EXECUTOR.delete(namespace, name)
+    remove = getattr(EXECUTOR, "delete", None)
+    if remove is not None:
+        log.info("%s/%s: deletionPolicy Delete: removing prepared data", body["metadata"]["namespace"],
+                 body["metadata"]["name"])
+        remove(parse(dict(body)))

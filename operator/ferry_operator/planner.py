@@ -111,11 +111,13 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
         running = step.name
         break
 
-    # Clear a Stalled left by an earlier generation once work moves again.
-    if get_condition(conditions, ConditionType.STALLED) is not None:
-        cond(ConditionType.STALLED, False, "Progressing", "")
+    def clear_stalled() -> None:
+        # A Stalled left by an earlier failure or generation ends once work moves again.
+        if get_condition(conditions, ConditionType.STALLED) is not None:
+            cond(ConditionType.STALLED, False, "Progressing", "")
 
     if running is not None:
+        clear_stalled()
         message = f"step {running} {'starting' if actions else 'running'}"
         if running == "fetch":
             cond(ConditionType.DOWNLOADED, False, "Fetching", message)
@@ -166,6 +168,7 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
             waiting.append(f"deployment {ref.name} patched")
         elif not current.rolled_out:
             waiting.append(f"deployment {ref.name} rolling out")
+    clear_stalled()
     if waiting:
         message = "; ".join(waiting)
         reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"

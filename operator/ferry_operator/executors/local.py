@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..api.types import ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
 from ..steps import Step
 
@@ -37,14 +38,8 @@ class LocalExecutor:
     def _state(self, namespace: str, name: str, step_id: str) -> Path:
         return self._dir(namespace, name) / ".steps" / step_id
 
-    def source_path(self, uri: str) -> str:
-        # The worker resolves file:// itself; pvc:// has no meaning outside a cluster.
-        if uri.startswith("pvc://"):
-            raise ValueError("pvc:// sources need the kubernetes executor")
-        return uri
-
-    def observe(self, namespace: str, name: str, step: Step) -> StepState:
-        state = self._state(namespace, name, step.id)
+    def observe(self, mw: ModelWeights, step: Step) -> StepState:
+        state = self._state(mw.metadata.namespace, mw.metadata.name, step.id)
         rc_file = state / "rc"
         if rc_file.exists():
             rc = int(rc_file.read_text())
@@ -58,12 +53,18 @@ class LocalExecutor:
             return StepState(StepPhase.RUNNING)
         return StepState(StepPhase.FAILED, "worker process exited without recording a status")
 
-    def start(self, namespace: str, name: str, step: Step, source_uri: str) -> None:
+    def start(self, mw: ModelWeights, uid: str, step: Step) -> None:
+        namespace, name = mw.metadata.namespace, mw.metadata.name
         state = self._state(namespace, name, step.id)
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
         paths = self._paths(namespace, name, step.digest)
-        mapping = {"source": self.source_path(source_uri), **{k: str(v) for k, v in paths.items()}}
+        # The worker resolves file://, hf:// and s3:// itself; pvc:// only exists in a cluster.
+        if mw.spec.source.uri.startswith("pvc://"):
+            (state / "log").write_text("pvc:// sources need the kubernetes executor\n")
+            (state / "rc").write_text("2")
+            return
+        mapping = {"source": mw.spec.source.uri, **{k: str(v) for k, v in paths.items()}}
         argv = [self.ferry_bin, *(a.format(**mapping) for a in step.argv)]
         env = {**os.environ, "FERRY_MODELWEIGHTS_NAME": name, "FERRY_MODELWEIGHTS_NAMESPACE": namespace}
         if self.kubeconfig:
@@ -76,8 +77,8 @@ class LocalExecutor:
         )
         (state / "pid").write_text(str(proc.pid))
 
-    def artifact(self, namespace: str, name: str, digest: str) -> ArtifactFacts | None:
-        directory = self._paths(namespace, name, digest)["artifact"]
+    def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
+        directory = self._paths(mw.metadata.namespace, mw.metadata.name, last.digest)["artifact"]
         manifest = directory / MANIFEST
         if not manifest.is_file():
             return None
@@ -89,8 +90,8 @@ class LocalExecutor:
             manifest_digest="sha256:" + hashlib.sha256(data).hexdigest(),
         )
 
-    def delete(self, namespace: str, name: str) -> None:
-        shutil.rmtree(self._dir(namespace, name), ignore_errors=True)
+    def delete(self, mw: ModelWeights) -> None:
+        shutil.rmtree(self._dir(mw.metadata.namespace, mw.metadata.name), ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,177 @@
+"""Kubernetes objects for the kubernetes executor, built as plain dicts. Pure.
+
+Layout on the claim (mounted at /weights in prepare Jobs):
+    <subPath>/<spec-digest>/staging    fetched original checkpoint (sharded_state)
+    <subPath>/<spec-digest>/artifact   what serving pods mount read-only
+A step's result (manifest digest, bytes) comes back through the pod's
+termination message, so the operator never needs to read the volume.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api.types import API_VERSION, KIND, ModelWeights
+from ..steps import Step
+
+WEIGHTS_MOUNT = "/weights"
+SOURCE_MOUNT = "/source"
+RESULT_FILE = "/dev/termination-log"
+LABEL_MW = "ferry.dev/modelweights"
+LABEL_STEP = "ferry.dev/step"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    image: str
+    service_account: str = "ferry-worker"
+    cluster_role: str = "ferry-worker"
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+
+def dns_name(*parts: str, limit: int = 63) -> str:
+    """Join parts into a DNS-1123 label, hashing the tail when it is too long."""
+    name = "-".join(parts)
+    if len(name) <= limit:
+        return name
+    tail = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: limit - 9].rstrip('-')}-{tail}"
+
+
+def claim_name(mw: ModelWeights) -> str:
+    pvc = mw.spec.storage.pvc if mw.spec.storage else None
+    return (pvc.name if pvc and pvc.name else None) or dns_name(mw.metadata.name, "weights", limit=253)
+
+
+def sub_path(mw: ModelWeights) -> str:
+    pvc = mw.spec.storage.pvc if mw.spec.storage else None
+    return (pvc.sub_path if pvc and pvc.sub_path else None) or mw.metadata.name
+
+
+def step_paths(mw: ModelWeights, digest: str) -> dict[str, str]:
+    base = f"{sub_path(mw)}/{digest}"
+    return {"staging": f"{base}/staging", "artifact": f"{base}/artifact"}
+
+
+def artifact_uri(mw: ModelWeights, digest: str) -> str:
+    return f"pvc://{claim_name(mw)}/{step_paths(mw, digest)['artifact']}"
+
+
+def owner_reference(mw: ModelWeights, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": mw.metadata.name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def pvc_manifest(mw: ModelWeights, uid: str) -> dict[str, Any] | None:
+    """The claim Ferry creates, or None when the spec reuses an existing one."""
+    pvc = mw.spec.storage.pvc if mw.spec.storage else None
+    if pvc is None or pvc.size is None:
+        return None
+    meta: dict[str, Any] = {"name": claim_name(mw), "labels": {LABEL_MW: mw.metadata.name}}
+    # Retain keeps the claim past the ModelWeights; Delete lets garbage collection take it.
+    if mw.spec.deletion_policy == "Delete":
+        meta["ownerReferences"] = [owner_reference(mw, uid)]
+    spec: dict[str, Any] = {
+        "accessModes": list(pvc.access_modes),
+        "resources": {"requests": {"storage": pvc.size}},
+    }
+    if pvc.storage_class_name:
+        spec["storageClassName"] = pvc.storage_class_name
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
+
+
+def job_name(mw: ModelWeights, step: Step) -> str:
+    return dns_name(mw.metadata.name, step.name, step.digest[:8])
+
+
+def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSettings) -> dict[str, Any]:
+    paths = {k: f"{WEIGHTS_MOUNT}/{v}" for k, v in step_paths(mw, step.digest).items()}
+    source = mw.spec.source.uri
+    volumes = [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}}]
+    mounts = [{"name": "weights", "mountPath": WEIGHTS_MOUNT}]
+    if source.startswith("pvc://"):
+        claim, _, path = source.removeprefix("pvc://").partition("/")
+        volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
+        source = f"file://{SOURCE_MOUNT}/{path}".rstrip("/")
+    argv = [a.format(source=source, **paths) for a in step.argv]
+    env = [
+        {"name": "FERRY_MODELWEIGHTS_NAME", "value": mw.metadata.name},
+        {"name": "FERRY_MODELWEIGHTS_NAMESPACE", "value": mw.metadata.namespace},
+        {"name": "FERRY_RESULT_FILE", "value": RESULT_FILE},
+        # Hub downloads cache on the claim, so a retried Job resumes instead of restarting.
+        {"name": "HF_HOME", "value": f"{WEIGHTS_MOUNT}/.hf-cache"},
+    ]
+    env_from = []
+    if mw.spec.source.credentials_secret_ref is not None:
+        env_from.append({"secretRef": {"name": mw.spec.source.credentials_secret_ref.name}})
+    container = {
+        "name": "worker",
+        "image": settings.image,
+        "command": ["ferry"],
+        "args": argv,
+        "env": env,
+        "volumeMounts": mounts,
+        "resources": settings.resources,
+        "terminationMessagePath": RESULT_FILE,
+        # On a crash the log tail becomes the message the operator reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    if env_from:
+        container["envFrom"] = env_from
+    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: step.name}
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": settings.service_account,
+        "restartPolicy": "Never",
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes + [{"name": "tmp", "emptyDir": {}}],
+    }
+    container["volumeMounts"] = mounts + [{"name": "tmp", "mountPath": "/tmp"}]
+    if settings.node_selector:
+        pod_spec["nodeSelector"] = settings.node_selector
+    if settings.tolerations:
+        pod_spec["tolerations"] = settings.tolerations
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": job_name(mw, step), "labels": labels, "ownerReferences": [owner_reference(mw, uid)],
+                     "annotations": {"ferry.dev/step-id": step.id}},
+        "spec": {
+            # Retries resume: complete files are kept, partial ones re-fetched.
+            "backoffLimit": 3,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, Any]]:
+    """The ServiceAccount prepare Jobs run as, bound to the status-only worker role."""
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": settings.service_account, "namespace": namespace}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": settings.service_account, "namespace": namespace},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": settings.cluster_role},
+         "subjects": [{"kind": "ServiceAccount", "name": settings.service_account, "namespace": namespace}]},
+    ]
+
+
+def parse_result(message: str | None) -> dict[str, Any] | None:
+    """A step's result from its termination message; None if absent or not Ferry's JSON."""
+    if not message:
+        return None
+    try:
+        result = json.loads(message)
+    except ValueError:
+        return None
+    if not isinstance(result, dict) or "manifestDigest" not in result:
+        return None
+    return result

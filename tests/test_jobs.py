@@ -1,0 +1,58 @@
+"""Job, claim and identity manifests of the kubernetes executor (pure)."""
+from __future__ import annotations
+
+from ferry_operator.api.validation import parse
+from ferry_operator.executors import jobs
+from ferry_operator.steps import prepare_steps
+from spec_cases import manifest, with_
+
+SETTINGS = jobs.WorkerSettings(image="ferry:dev")
+
+
+def mw(obj):
+    obj = {**obj, "metadata": {**obj["metadata"], "namespace": "ml"}}
+    return parse(obj)
+
+
+def test_long_names_stay_valid_labels():
+    name = jobs.dns_name("a" * 60, "fetch", "0123abcd")
+    assert len(name) == 63 and name == jobs.dns_name("a" * 60, "fetch", "0123abcd")
+    assert jobs.dns_name("a" * 60, "fetch", "0123abcd") != jobs.dns_name("a" * 60, "shard", "0123abcd")
+
+
+def test_retain_keeps_the_claim_past_the_modelweights():
+    m = mw(manifest())
+    pvc = jobs.pvc_manifest(m, "uid-1")
+    assert "ownerReferences" not in pvc["metadata"]
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "200Gi"}},
+                           "storageClassName": "fast"}
+    deleting = mw(with_("deletionPolicy", "Delete"))
+    assert jobs.pvc_manifest(deleting, "uid-1")["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_an_existing_claim_is_reused_not_created():
+    m = mw(with_("storage.pvc", {"name": "shared-models", "subPath": "team-a/llama"}))
+    assert jobs.pvc_manifest(m, "uid") is None
+    step = prepare_steps(m.spec)[0]
+    job = jobs.job_manifest(m, step, "uid", SETTINGS)
+    assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "shared-models"
+    out = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert out[out.index("--output") + 1] == f"/weights/team-a/llama/{step.digest}/staging"
+    assert jobs.artifact_uri(m, step.digest) == f"pvc://shared-models/team-a/llama/{step.digest}/artifact"
+
+
+def test_pvc_source_is_mounted_read_only_and_read_as_files():
+    m = mw(with_("source", {"uri": "pvc://model-cache/llama-3-70b"}))
+    job = jobs.job_manifest(m, prepare_steps(m.spec)[0], "uid", SETTINGS)
+    pod = job["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--source") + 1] == "file:///source/llama-3-70b"
+    assert {"name": "source", "persistentVolumeClaim": {"claimName": "model-cache", "readOnly": True}} in pod["volumes"]
+    assert {"name": "source", "mountPath": "/source", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+
+def test_result_parsing_ignores_anything_but_ferry_json():
+    assert jobs.parse_result('{"manifestDigest": "sha256:00", "totalBytes": 1}')["totalBytes"] == 1
+    assert jobs.parse_result("Traceback (most recent call last): ...") is None
+    assert jobs.parse_result('{"other": 1}') is None
+    assert jobs.parse_result("") is None
