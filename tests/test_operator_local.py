@@ -176,3 +176,13 @@ def test_missing_container_stalls_naming_it(crd, namespace, operator, tmp_path):
     status = crd.get_json("mw", "wrong", "-n", namespace)["status"]
     stalled = next(c for c in status["conditions"] if c["type"] == "Stalled")
     assert stalled["reason"] == "ServingError" and "'engine'" in stalled["message"]
+
+
+@pytest.mark.parametrize("policy,kept", [("Retain", True), ("Delete", False)])
+def test_deletion_policy(crd, namespace, operator, tmp_path, policy, kept):
+    src = tiny_checkpoint(tmp_path / "src")
+    crd.apply(modelweights("gone", namespace, f"file://{src}", deletionPolicy=policy))
+    wait_condition(crd, namespace, "gone", "Ready")
+    artifact = Path(crd.get_json("mw", "gone", "-n", namespace)["status"]["artifact"]["uri"].removeprefix("file://"))
+    crd.kubectl("delete", "mw", "gone", "-n", namespace, "--timeout=60s")
+    assert (artifact / "ferry-manifest.json").exists() is kept
