@@ -3,6 +3,7 @@
 started for the session and stopped at its end."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -68,3 +69,25 @@ def namespace(kube: Kube) -> str:
     kube.kubectl("create", "namespace", name)
     yield name
     kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@contextlib.contextmanager
+def running_operator(kube: Kube, namespace: str, log_path: Path, **env: str):
+    """`ferry-operator run` for one namespace, as a process, with extra env."""
+    full_env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "FERRY_RECONCILE_INTERVAL": "1", **env}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
+                                 "--namespace", namespace], env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            # kopf's finalizer (it guards the per-object timer) needs the operator
+            # running to let the test's ModelWeights go.
+            kube.kubectl("delete", "mw", "--all", "-n", namespace, "--timeout=60s", check=False)
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if os.environ.get("FERRY_SHOW_OPERATOR_LOG"):
+        print(log_path.read_text())

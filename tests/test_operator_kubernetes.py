@@ -7,13 +7,11 @@ for the node, said plainly here."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from conftest import running_operator
 
 pytestmark = pytest.mark.cluster
 
@@ -22,16 +20,10 @@ IMAGE = "ghcr.io/ferry-dev/ferry:test"
 
 @pytest.fixture
 def k8s_operator(crd, namespace, tmp_path):
-    env = {**os.environ, "KUBECONFIG": str(crd.kubeconfig), "FERRY_EXECUTOR": "kubernetes",
-           "FERRY_WORKER_IMAGE": IMAGE, "FERRY_RECONCILE_INTERVAL": "1",
-           "FERRY_WORKER_RESOURCES": json.dumps({"requests": {"cpu": "1", "memory": "1Gi"}})}
-    log = open(tmp_path / "operator.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
-                             "--namespace", namespace], env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+    with running_operator(crd, namespace, tmp_path / "operator.log", FERRY_EXECUTOR="kubernetes",
+                          FERRY_WORKER_IMAGE=IMAGE,
+                          FERRY_WORKER_RESOURCES=json.dumps({"requests": {"cpu": "1", "memory": "1Gi"}})):
+        yield
 
 
 def wait_for(fn, what, timeout=60):

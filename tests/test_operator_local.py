@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import running_operator
 from safetensors.numpy import save_file
 
 pytestmark = pytest.mark.cluster
@@ -20,20 +18,9 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture
 def operator(crd, namespace, tmp_path):
     root = tmp_path / "artifacts"
-    env = {**os.environ, "KUBECONFIG": str(crd.kubeconfig), "FERRY_LOCAL_ROOT": str(root),
-           "FERRY_EXECUTOR": "local", "FERRY_RECONCILE_INTERVAL": "1"}
-    log = open(tmp_path / "operator.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
-                             "--namespace", namespace], env=env, stdout=log, stderr=subprocess.STDOUT)
-    yield root
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    if os.environ.get("FERRY_SHOW_OPERATOR_LOG"):
-        print((tmp_path / "operator.log").read_text())
+    with running_operator(crd, namespace, tmp_path / "operator.log", FERRY_EXECUTOR="local",
+                          FERRY_LOCAL_ROOT=str(root)):
+        yield root
 
 
 def tiny_checkpoint(directory: Path) -> Path:
@@ -185,4 +172,10 @@ def test_deletion_policy(crd, namespace, operator, tmp_path, policy, kept):
     wait_condition(crd, namespace, "gone", "Ready")
     artifact = Path(crd.get_json("mw", "gone", "-n", namespace)["status"]["artifact"]["uri"].removeprefix("file://"))
     crd.kubectl("delete", "mw", "gone", "-n", namespace, "--timeout=60s")
+    if not kept:
+        deadline = time.monotonic() + 30
+        while (artifact / "ferry-manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    else:
+        time.sleep(3)  # give a wrongful cleanup the chance to happen
     assert (artifact / "ferry-manifest.json").exists() is kept

@@ -152,13 +152,15 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
     patch.status.update(_status_patch(raw_status, result.status))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, when=lambda spec, **_: spec.get("deletionPolicy") == "Delete")
+# No finalizer of its own (optional=True): the timer's finalizer already routes
+# deletion through the operator. On a cluster, deletionPolicy Delete is carried
+# out by garbage collection of the claim's owner reference; the local executor
+# removes its directory here.
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def delete(body: kopf.Body, **_: Any) -> None:
-    """deletionPolicy Delete: the local executor removes its directory; on a
-    cluster, garbage collection removes the claim Ferry created (owner reference)."""
     assert EXECUTOR is not None
     remove = getattr(EXECUTOR, "delete", None)
-    if remove is not None:
+    if body.get("spec", {}).get("deletionPolicy") == "Delete" and remove is not None:
         log.info("%s/%s: deletionPolicy Delete: removing prepared data", body["metadata"]["namespace"],
                  body["metadata"]["name"])
         remove(parse(dict(body)))
