@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,3 +92,14 @@ def running_operator(kube: Kube, namespace: str, log_path: Path, **env: str):
                 proc.kill()
     if os.environ.get("FERRY_SHOW_OPERATOR_LOG"):
         print(log_path.read_text())
+
+
+def wait_for(fn, what: str, timeout: float = 60):
+    """Poll `fn` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -7,11 +7,10 @@ for the node, said plainly here."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from conftest import running_operator
+from conftest import running_operator, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -24,16 +23,6 @@ def k8s_operator(crd, namespace, tmp_path):
                           FERRY_WORKER_IMAGE=IMAGE,
                           FERRY_WORKER_RESOURCES=json.dumps({"requests": {"cpu": "1", "memory": "1Gi"}})):
         yield
-
-
-def wait_for(fn, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def jobs(kube, ns):

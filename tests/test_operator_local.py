@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import running_operator
+from conftest import running_operator, wait_for
 from safetensors.numpy import save_file
 
 pytestmark = pytest.mark.cluster
@@ -45,6 +45,14 @@ def wait_condition(kube, namespace, name, cond, timeout=120):
     if proc.returncode != 0:
         status = kube.get_json("mw", name, "-n", namespace).get("status")
         raise AssertionError(f"{name} never {cond}: {json.dumps(status, indent=1)}")
+
+
+def wait_ready_generation(kube, namespace, name, generation, timeout=90):
+    """The status once the operator has made `generation` Ready."""
+    def ready():
+        status = kube.get_json("mw", name, "-n", namespace).get("status", {})
+        return status if status.get("observedGeneration") == generation and status.get("phase") == "Ready" else None
+    return wait_for(ready, f"{name} generation {generation} Ready", timeout)
 
 
 def test_safetensors_copy_becomes_ready_with_the_manifest_digest(crd, namespace, operator, tmp_path):
@@ -85,13 +93,7 @@ def test_spec_change_prepares_a_new_artifact(crd, namespace, operator, tmp_path)
     changed = modelweights("rev", namespace, f"file://{src}")
     changed["spec"]["source"]["allowPatterns"] = ["*.safetensors"]  # selection shapes the artifact
     crd.apply(changed)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status = crd.get_json("mw", "rev", "-n", namespace)["status"]
-        if status.get("observedGeneration") == 2 and status.get("phase") == "Ready":
-            break
-        time.sleep(0.5)
-    assert status["observedGeneration"] == 2 and status["phase"] == "Ready", status
+    status = wait_ready_generation(crd, namespace, "rev", 2)
     assert status["artifact"]["uri"] != first
 
 
@@ -137,13 +139,7 @@ def test_serving_deployment_is_wired_and_rolled_on_spec_change(crd, namespace, o
     # A serving flag change rolls the Deployment once, on the same artifact.
     crd.apply(modelweights("served", namespace, f"file://{src}", format={"tensorParallelSize": 2},
                            serving={"deployments": [{"name": "tiny-vllm", "container": "vllm"}]}))
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        status = crd.get_json("mw", "served", "-n", namespace)["status"]
-        if status.get("observedGeneration") == 2 and status.get("phase") == "Ready":
-            break
-        time.sleep(0.5)
-    assert status["observedGeneration"] == 2 and status["phase"] == "Ready", status
+    status = wait_ready_generation(crd, namespace, "served", 2)
     dep = crd.get_json("deployment", "tiny-vllm", "-n", namespace)
     vllm = dep["spec"]["template"]["spec"]["containers"][1]
     assert vllm["args"][vllm["args"].index("--tensor-parallel-size") + 1] == "2"
@@ -172,10 +168,8 @@ def test_deletion_policy(crd, namespace, operator, tmp_path, policy, kept):
     wait_condition(crd, namespace, "gone", "Ready")
     artifact = Path(crd.get_json("mw", "gone", "-n", namespace)["status"]["artifact"]["uri"].removeprefix("file://"))
     crd.kubectl("delete", "mw", "gone", "-n", namespace, "--timeout=60s")
-    if not kept:
-        deadline = time.monotonic() + 30
-        while (artifact / "ferry-manifest.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-    else:
+    if kept:
         time.sleep(3)  # give a wrongful cleanup the chance to happen
-    assert (artifact / "ferry-manifest.json").exists() is kept
+        assert (artifact / "ferry-manifest.json").exists()
+    else:
+        wait_for(lambda: not artifact.exists(), "the artifact to be removed", timeout=30)
