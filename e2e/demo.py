@@ -1,39 +1,98 @@
 #!/usr/bin/env python3
 """`make demo`: Ferry's main job on the embedded default — a real local control
-plane (etcd + kube-apiserver + controllers + kwok) on this machine.
+plane (etcd + kube-apiserver + controllers + kwok) and the operator with the
+local executor, on this machine.
 
-What runs today: the ModelWeights API end to end — the generated CRD installed,
-the example manifests admitted and defaulted by the API server, a bad one
-rejected with the field named, the printer columns and `kubectl explain`.
-Reconciliation (prepare
-Jobs, the local executor, serving wiring) lands with the operator issue; until
-then this demo stops at the API.
+1. start the control plane, install the CRD generated from the API types;
+2. generate a small Llama-3-shaped checkpoint (no model hub is needed);
+3. create a vLLM Deployment (kwok runs its pods) and a ModelWeights asking for
+   sharded_state at tensor-parallel 2 for it;
+4. the operator fetches (vLLM's file rules, verified, manifest last), pre-shards
+   per rank on the CPU, and wires the Deployment: flags, read-only mount,
+   digest annotation, rollout; you watch `kubectl get mw` until Ready;
+5. `ferry verify` re-checks the artifact; a bad spec is refused at admission.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "e2e"))
+# The sharding tests' checkpoint generator: real architectures' config.json and
+# tensor names, random weights, a real tokenizer.
+sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
 import localcluster  # noqa: E402
+from shard_checkpoints import ModelCase, _llama_like, write_checkpoint  # noqa: E402
+
+# Llama-3 shaped (GQA 8:2 heads, untied), small enough to prepare in seconds: ~120 MB of bf16.
+DEMO_LLAMA = ModelCase("demo-llama", _llama_like(
+    "LlamaForCausalLM", "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=2, vocab_size=32000), "BF16", files=2)
+
+DEMO = localcluster.STATE / "demo"
+NAMESPACE = "ferry-demo"
+BIN = Path(sys.executable).parent
 
 
 def step(title: str) -> None:
     print(f"\n\033[1m== {title}\033[0m", flush=True)
 
 
-def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def kubectl(*args: str, input: str | None = None, check: bool = True, quiet: bool = False) -> str:
     cmd = [localcluster.kubectl_path(), "--kubeconfig", str(localcluster.KUBECONFIG), *args]
-    print("$ kubectl " + " ".join(args), flush=True)
+    if not quiet:
+        print("$ kubectl " + " ".join(args), flush=True)
     proc = subprocess.run(cmd, input=input, text=True, capture_output=True)
-    sys.stdout.write(proc.stdout)
-    sys.stdout.write(proc.stderr)
+    if not quiet:
+        sys.stdout.write(proc.stdout + proc.stderr)
     if check and proc.returncode:
-        raise SystemExit(proc.returncode)
-    return proc
+        raise SystemExit(f"kubectl failed: {proc.stderr}")
+    return proc.stdout
+
+
+def deployment() -> dict:
+    labels = {"app": "tiny-llama-vllm"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "tiny-llama-vllm", "namespace": NAMESPACE},
+            "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{
+                    "name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                    "args": ["--max-model-len", "4096", "--dtype", "bfloat16"],
+                    "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}}
+
+
+def modelweights(source: Path) -> dict:
+    return {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+            "metadata": {"name": "tiny-llama", "namespace": NAMESPACE},
+            "spec": {"source": {"uri": f"file://{source}"},
+                     "storage": {"pvc": {"size": "1Gi"}},
+                     "format": {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"},
+                     "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}]}}}
+
+
+def watch_until_ready(timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        row = kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "--no-headers", quiet=True).strip()
+        if row != last:
+            print("  " + row, flush=True)
+            last = row
+        status = json.loads(kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "-o", "json", quiet=True)).get("status", {})
+        conds = {c["type"]: c for c in status.get("conditions", [])}
+        if conds.get("Ready", {}).get("status") == "True":
+            return status
+        if conds.get("Stalled", {}).get("status") == "True":
+            raise SystemExit(f"stalled: {conds['Stalled']['message']}")
+        time.sleep(0.5)
+    raise SystemExit("timed out waiting for Ready")
 
 
 def main() -> None:
@@ -42,19 +101,53 @@ def main() -> None:
     step("Install the ModelWeights CRD generated from the API types")
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds/ferry.dev_modelweights.yaml"))
     localcluster.wait_crd_established("modelweights.ferry.dev")
-    step("Apply the examples")
-    kubectl("apply", "-f", str(REPO / "e2e/examples"))
-    step("A bad spec is rejected at admission, naming the field")
-    bad = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights", "metadata": {"name": "bad"},
-           "spec": {"source": {"uri": "hf://meta-llama/Llama-3-8B"}, "format": {"type": "tensorizer"}}}
-    kubectl("create", "-f", "-", input=json.dumps(bad), check=False)
-    kubectl("get", "mw")
-    step("kubectl explain teaches the API")
-    kubectl("explain", "modelweights.spec.format.type")
-    print(f"\nThe cluster keeps running: export KUBECONFIG={localcluster.KUBECONFIG}; "
+    kubectl("create", "namespace", NAMESPACE, check=False, quiet=True)
+
+    step("A small Llama-3-shaped checkpoint (generated: no model hub here)")
+    source = DEMO / "checkpoints" / "tiny-llama"
+    if not (source / "config.json").exists():
+        write_checkpoint(source, DEMO_LLAMA)
+    for f in sorted(source.iterdir()):
+        print(f"  {f.name:40s} {f.stat().st_size:>12,d} bytes")
+
+    step("The operator, with the local executor (prepare steps run as processes here)")
+    shutil.rmtree(DEMO / "artifacts", ignore_errors=True)  # every demo prepares from scratch
+    log = open(DEMO / "operator.log", "ab")
+    env = {**os.environ, "KUBECONFIG": str(localcluster.KUBECONFIG), "FERRY_EXECUTOR": "local",
+           "FERRY_LOCAL_ROOT": str(DEMO / "artifacts"), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    operator = subprocess.Popen([str(BIN / "ferry-operator"), "run", "--standalone", "--namespace", NAMESPACE],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    print(f"  ferry-operator run (pid {operator.pid}, log {DEMO / 'operator.log'})")
+    try:
+        step("A vLLM Deployment, and ModelWeights: sharded_state, tensor-parallel 2, for it")
+        kubectl("apply", "-f", "-", input=json.dumps(deployment()))
+        kubectl("apply", "-f", "-", input=json.dumps(modelweights(source)))
+        step("Fetch -> verify -> pre-shard per rank -> wire the Deployment (kubectl get mw)")
+        status = watch_until_ready()
+        print(json.dumps(status["artifact"], indent=2))
+        step("What the Deployment now runs")
+        dep = json.loads(kubectl("get", "deploy", "tiny-llama-vllm", "-n", NAMESPACE, "-o", "json", quiet=True))
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        print("  args:", " ".join(container["args"]))
+        print("  mounts:", json.dumps(container["volumeMounts"]))
+        print("  annotation:", dep["spec"]["template"]["metadata"]["annotations"])
+        kubectl("rollout", "status", "deploy/tiny-llama-vllm", "-n", NAMESPACE, "--timeout=60s")
+        step("The artifact: one file set per rank, verified against its manifest")
+        artifact = Path(status["artifact"]["uri"].removeprefix("file://"))
+        for f in sorted(artifact.iterdir()):
+            print(f"  {f.name:45s} {f.stat().st_size:>12,d} bytes")
+        subprocess.run([str(BIN / "ferry"), "verify", str(artifact)], check=True)
+        step("A bad spec is refused at admission, naming the field")
+        bad = modelweights(source)
+        bad["metadata"]["name"] = "bad"
+        bad["spec"]["format"] = {"type": "tensorizer"}
+        kubectl("create", "-f", "-", input=json.dumps(bad), check=False)
+    finally:
+        kubectl("delete", "mw", "--all", "-n", NAMESPACE, "--timeout=60s", check=False, quiet=True)
+        operator.terminate()
+        operator.wait(timeout=20)
+    print(f"\nDone. The cluster keeps running: export KUBECONFIG={localcluster.KUBECONFIG}; "
           "stop it with `make cluster-down`.")
-    print("Note: reconciliation (prepare Jobs / local executor, serving wiring) is not built yet; "
-          "the operator issue brings it.")
 
 
 if __name__ == "__main__":

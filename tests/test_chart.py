@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
 import localcluster
-from conftest import REPO
+REPO = Path(__file__).resolve().parent.parent
 
 CHART = REPO / "charts" / "ferry"
 KUBE_VERSION = "1.34.0"

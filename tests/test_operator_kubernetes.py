@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import running_operator, wait_for
+from cluster_support import running_operator, wait_for
 
 pytestmark = pytest.mark.cluster
 

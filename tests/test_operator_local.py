@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import running_operator, wait_for
+from cluster_support import running_operator, wait_for
 from safetensors.numpy import save_file
 
 pytestmark = pytest.mark.cluster

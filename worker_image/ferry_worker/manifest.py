@@ -103,6 +103,11 @@ def tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}{TMP_MARKER}-{os.getpid()}")
 
 
+def partial_name(final: Path) -> Path:
+    """Where a resumable transfer of `final` accumulates: stable across runs, unlike tmp_name."""
+    return final.with_name(f".{final.name}{TMP_MARKER}-partial")
+
+
 @contextlib.contextmanager
 def atomic_file(final: Path, mode: str = "wb") -> Iterator[IO]:
     """Write `final` via a temporary sibling: fsync, rename, fsync the directory.

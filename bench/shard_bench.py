@@ -1,0 +1,177 @@
+"""Benchmark `ferry shard` against `cp -r` of the same checkpoint, in one run.
+
+    .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3]
+
+Generates a Llama-3-8B-shaped checkpoint (hidden 4096, 32 heads, 8 KV heads,
+intermediate 14336, vocab 128256, bf16; `--layers` decoder layers: 8 gives
+5.6 GB) split like a Hub repository, then times, alternating, `cp -r` (and
+`cp -r` followed by `sync`, since ferry fsyncs every file before it publishes
+it) and `ferry shard --tensor-parallel-size TP`, each from a cold page cache
+when the kernel lets us drop it. Reports medians, the ratio cp/ferry, ferry's
+peak RSS (GNU time), and the bytes each rank reads to load: its
+rank files versus the whole checkpoint vLLM's default loader reads on every
+rank. Everything it writes is removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 4096, 32, 8, 14336, 128256
+HEAD_DIM = HIDDEN // HEADS
+FILE_LIMIT = 2 << 30  # Hub checkpoints are split in files of a few GB
+POOL_BYTES = 64 << 20  # random bytes, written over and over: content does not matter here
+GNU_TIME = "/usr/bin/time"  # Debian package `time`
+
+
+def llama_config(layers: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+            "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+            "num_hidden_layers": layers, "vocab_size": VOCAB, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+            "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
+
+
+def tensor_shapes(layers: int) -> dict[str, list[int]]:
+    shapes = {"model.embed_tokens.weight": [VOCAB, HIDDEN]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
+                   p + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+                   p + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+                   p + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
+                   p + "mlp.gate_proj.weight": [INTERMEDIATE, HIDDEN],
+                   p + "mlp.up_proj.weight": [INTERMEDIATE, HIDDEN],
+                   p + "mlp.down_proj.weight": [HIDDEN, INTERMEDIATE],
+                   p + "input_layernorm.weight": [HIDDEN],
+                   p + "post_attention_layernorm.weight": [HIDDEN]}
+    return shapes | {"model.norm.weight": [HIDDEN], "lm_head.weight": [VOCAB, HIDDEN]}
+
+
+def write_checkpoint(directory: Path, layers: int) -> int:
+    """A bf16 checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
+    from ferry_worker.shard_safetensors import HeaderEntry, encode_header
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(llama_config(layers), indent=2))
+    (directory / "generation_config.json").write_text('{"bos_token_id": 128000, "eos_token_id": 128001}')
+    groups: list[list[tuple[str, list[int]]]] = [[]]
+    size = 0
+    for name, shape in tensor_shapes(layers).items():
+        nbytes = 2 * math.prod(shape)
+        if groups[-1] and size + nbytes > FILE_LIMIT:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += nbytes
+    pool = memoryview(os.urandom(POOL_BYTES))
+    weight_map, total = {}, 0
+    for n, group in enumerate(groups):
+        file_name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        entries = [HeaderEntry(name, "BF16", tuple(shape)) for name, shape in group]
+        with open(directory / file_name, "wb") as f:
+            f.write(encode_header(entries))
+            for entry in entries:
+                left = entry.nbytes
+                while left:
+                    chunk = pool[:min(left, POOL_BYTES)]
+                    f.write(chunk)
+                    left -= len(chunk)
+        weight_map |= {name: file_name for name, _ in group}
+        total += (directory / file_name).stat().st_size
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def drop_page_cache() -> bool:
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(argv: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one command.
+
+    The RSS comes from GNU time, not from wait4 here: a child forked from this
+    process starts with this process's pages in its ru_maxrss.
+    """
+    with tempfile.NamedTemporaryFile("r") as rss:
+        start = time.perf_counter()
+        subprocess.run([GNU_TIME, "-f", "%M", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, check=True)
+        elapsed = time.perf_counter() - start
+        return elapsed, int(rss.read().split()[-1]) * 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--ferry", default=f"{sys.executable} -m ferry_worker.cli",
+                    help="the ferry command to time (default: %(default)s)")
+    args = ap.parse_args()
+    if not Path(GNU_TIME).exists():
+        raise SystemExit(f"{GNU_TIME} is needed for peak RSS (apt-get install time)")
+
+    root = Path(tempfile.mkdtemp(prefix="ferry-shard-bench-", dir=args.workdir))
+    try:
+        source = root / "checkpoint"
+        checkpoint_bytes = write_checkpoint(source, args.layers)
+        if shutil.disk_usage(root).free < 2.5 * checkpoint_bytes:
+            raise SystemExit(f"{root}: needs {2.5 * checkpoint_bytes / 1e9:.1f} GB free for the copies")
+        times: dict[str, list[float]] = {"cp -r": [], "cp -r; sync": [], "ferry shard": []}
+        peak_rss, cold = 0, True
+        for _ in range(args.runs):
+            for label in times:
+                target = root / "copy"
+                cold &= drop_page_cache()
+                if label == "ferry shard":
+                    elapsed, rss = timed([*args.ferry.split(), "shard", "--source", str(source), "--output",
+                                          str(target), "--tensor-parallel-size", str(args.tp)])
+                    peak_rss = max(peak_rss, rss)
+                    rank_bytes = _rank_bytes(target, args.tp)
+                else:
+                    command = f"cp -r {source} {target}" + ("; sync" if "sync" in label else "")
+                    elapsed, _ = timed(["bash", "-c", command])
+                times[label].append(elapsed)
+                shutil.rmtree(target)
+        median = {label: statistics.median(values) for label, values in times.items()}
+        report = {
+            "checkpoint": {"layers": args.layers, "bytes": checkpoint_bytes,
+                           "files": len(list(source.glob("*.safetensors")))},
+            "tensorParallelSize": args.tp,
+            "runs": args.runs,
+            "pageCache": "dropped before every run" if cold else "warm (could not drop it)",
+            "seconds": times,
+            "medianSeconds": median,
+            "ratioCpOverFerry": median["cp -r"] / median["ferry shard"],
+            "ratioCpSyncOverFerry": median["cp -r; sync"] / median["ferry shard"],
+            "ferryPeakRssBytes": peak_rss,
+            "bytesReadPerRankToLoad": {"ferryRankFiles": rank_bytes, "vllmDefaultLoader": checkpoint_bytes},
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _rank_bytes(artifact: Path, tp: int) -> list[int]:
+    return [sum(p.stat().st_size for p in artifact.glob(f"model-rank-{r}-part-*.safetensors")) for r in range(tp)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Helpers for tests against the local control plane (imported by tests and
+conftest alike; a module of its own because several conftest.py files exist)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Kube:
+    kubeconfig: Path
+    kubectl_bin: str
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        argv = [self.kubectl_bin, "--kubeconfig", str(self.kubeconfig), *args]
+        proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    def get_json(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, obj: dict | str, *extra: str) -> subprocess.CompletedProcess:
+        text = obj if isinstance(obj, str) else json.dumps(obj)
+        return self.kubectl("apply", "-f", "-", *extra, input=text)
+
+
+@contextlib.contextmanager
+def running_operator(kube: Kube, namespace: str, log_path: Path, **env: str):
+    """`ferry-operator run` for one namespace, as a process, with extra env."""
+    full_env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "FERRY_RECONCILE_INTERVAL": "1", **env}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
+                                 "--namespace", namespace], env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            # kopf's finalizer (it guards the per-object timer) needs the operator
+            # running to let the test's ModelWeights go.
+            kube.kubectl("delete", "mw", "--all", "-n", namespace, "--timeout=60s", check=False)
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if os.environ.get("FERRY_SHOW_OPERATOR_LOG"):
+        print(log_path.read_text())
+
+
+def wait_for(fn, what: str, timeout: float = 60):
+    """Poll `fn` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,219 @@
+"""Small Hugging Face checkpoints for the sharding tests: real architectures'
+config.json (scaled down) and tensor names, random weights, a real tokenizer.
+
+The tensor list here is written from the Hugging Face modelling code, not from
+Ferry's layout tables, so a mistake in a table shows up as a mismatch.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+WORDS_PER_VOCAB = 3  # ids 0..2 are <unk>, <s>, </s>
+
+
+Weights = dict[str, tuple[str, list[int], bytes]]  # name -> (safetensors dtype, shape, raw bytes)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    config: dict
+    dtype: str  # safetensors dtype of every weight: BF16 or F16
+    files: int = 1  # > 1: sharded with model.safetensors.index.json
+    extra_tensors: tuple[str, ...] = field(default=())  # e.g. rotary inv_freq buffers
+
+
+def _llama_like(arch: str, model_type: str, **overrides) -> dict:
+    config = {
+        "architectures": [arch], "model_type": model_type, "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 128,
+        "initializer_range": 0.02, "intermediate_size": 256, "max_position_embeddings": 512,
+        "num_attention_heads": 8, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.0", "use_cache": True, "vocab_size": 1000,
+    }
+    config.update(overrides)
+    return config
+
+
+# Meta-Llama-3-8B: GQA, untied, vocab not a multiple of 64 here (1000 -> 1024).
+LLAMA3 = ModelCase("llama3", _llama_like("LlamaForCausalLM", "llama", pretraining_tp=1, rope_scaling=None), "BF16",
+                   files=2, extra_tensors=("model.layers.0.self_attn.rotary_emb.inv_freq",))
+# Llama-3.2-1B: tied embeddings, explicit head_dim, llama3 rope scaling.
+LLAMA32_TIED = ModelCase("llama3.2-tied", _llama_like(
+    "LlamaForCausalLM", "llama", head_dim=16, tie_word_embeddings=True, vocab_size=1088,
+    rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}), "BF16")
+# Mistral-Nemo: head_dim (32) x heads (8) != hidden_size (128); fp16.
+MISTRAL = ModelCase("mistral", _llama_like(
+    "MistralForCausalLM", "mistral", head_dim=32, sliding_window=None, rope_theta=1000000.0,
+    torch_dtype="float16", vocab_size=777), "F16")
+# Qwen2.5-0.5B: q/k/v biases, tied embeddings.
+QWEN2 = ModelCase("qwen2", _llama_like(
+    "Qwen2ForCausalLM", "qwen2", max_window_layers=3, sliding_window=512, use_sliding_window=False,
+    rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=True, vocab_size=1000), "BF16")
+# Qwen3-0.6B: q_norm/k_norm, explicit head_dim, tied embeddings.
+QWEN3 = ModelCase("qwen3", _llama_like(
+    "Qwen3ForCausalLM", "qwen3", head_dim=32, max_window_layers=3, sliding_window=None,
+    use_sliding_window=False, rope_theta=1000000, rms_norm_eps=1e-06, tie_word_embeddings=True,
+    vocab_size=1000), "BF16")
+
+# Llama with every optional bias (`attention_bias`: q/k/v/o, `mlp_bias`: gate/up/down).
+LLAMA_BIASES = ModelCase("llama-biases", _llama_like("LlamaForCausalLM", "llama", attention_bias=True, mlp_bias=True),
+                         "BF16")
+
+ALL_CASES = (LLAMA3, LLAMA32_TIED, MISTRAL, QWEN2, QWEN3, LLAMA_BIASES)
+
+
+def hf_tensor_shapes(config: dict) -> dict[str, list[int]]:
+    """The tensors transformers' modelling code saves for this config."""
+    arch = config["architectures"][0]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = [vocab, hidden]
+    qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias", False)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": [heads * head_dim, hidden],
+            p + "self_attn.k_proj.weight": [kv_heads * head_dim, hidden],
+            p + "self_attn.v_proj.weight": [kv_heads * head_dim, hidden],
+            p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
+            p + "mlp.gate_proj.weight": [inter, hidden],
+            p + "mlp.up_proj.weight": [inter, hidden],
+            p + "mlp.down_proj.weight": [hidden, inter],
+            p + "input_layernorm.weight": [hidden],
+            p + "post_attention_layernorm.weight": [hidden],
+        }
+        if qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": [heads * head_dim],
+                       p + "self_attn.k_proj.bias": [kv_heads * head_dim],
+                       p + "self_attn.v_proj.bias": [kv_heads * head_dim]}
+        if arch in ("LlamaForCausalLM", "MistralForCausalLM") and config.get("attention_bias"):
+            shapes[p + "self_attn.o_proj.bias"] = [hidden]
+        if config.get("mlp_bias"):
+            shapes |= {p + "mlp.gate_proj.bias": [inter], p + "mlp.up_proj.bias": [inter],
+                       p + "mlp.down_proj.bias": [hidden]}
+        if arch == "Qwen3ForCausalLM":
+            shapes |= {p + "self_attn.q_norm.weight": [head_dim], p + "self_attn.k_norm.weight": [head_dim]}
+    return shapes
+
+
+def to_dtype_bytes(values: np.ndarray, dtype: str) -> bytes:
+    """float32 values as BF16 (round to nearest even), F16 or F32 little-endian bytes."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "F32":
+        return values.astype("<f4").tobytes()
+    if dtype == "F16":
+        return values.astype("<f2").tobytes()
+    if dtype == "BF16":
+        bits = values.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    raise ValueError(dtype)
+
+
+def random_weights(config: dict, dtype: str, seed: int = 0) -> Weights:
+    """Random weights scaled so the decoder layers, not the token's own
+    embedding, decide the next token: with embeddings as large as the layers'
+    output, a tied LM head just repeats the last token and greedy decoding
+    would not notice a mangled layer. The final norm restores the logits'
+    spread, so greedy choices are rarely near-ties."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in hf_tensor_shapes(config).items():
+        if name == "model.norm.weight":
+            values = 10.0 * (1.0 + 0.1 * rng.standard_normal(shape))
+        elif name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            values = 0.1 * rng.standard_normal(shape)
+        else:
+            values = 0.08 * rng.standard_normal(shape)
+        weights[name] = (dtype, shape, to_dtype_bytes(values, dtype))
+    return weights
+
+
+def safetensors_bytes(tensors: Weights) -> bytes:
+    header, data, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        data.append(raw)
+        offset += len(raw)
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body + b"".join(data)
+
+
+def write_weights(directory: Path, weights: Weights, files: int = 1) -> None:
+    names = list(weights)
+    if files == 1:
+        (directory / "model.safetensors").write_bytes(safetensors_bytes(weights))
+        return
+    weight_map = {}
+    for n in range(files):
+        file_name = f"model-{n + 1:05d}-of-{files:05d}.safetensors"
+        chunk = names[n::files]
+        (directory / file_name).write_bytes(safetensors_bytes({k: weights[k] for k in chunk}))
+        weight_map |= {k: file_name for k in chunk}
+    total = sum(len(raw) for _, _, raw in weights.values())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer covering every id of the model (so any generated
+    id detokenizes), in the tokenizers library's JSON format."""
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab |= {f"w{i}": i for i in range(len(specials), vocab_size)}
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, t in enumerate(specials)]
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+                 "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+                 "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 512, "clean_up_tokenization_spaces": False}))
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def write_checkpoint(directory: Path, case: ModelCase, seed: int = 0,
+                     weights: Weights | None = None) -> Weights:
+    """Write config, generation config, tokenizer and weights; return the weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if weights is None:
+        weights = random_weights(case.config, case.dtype, seed)
+        for name in case.extra_tensors:  # e.g. a rotary buffer some exporters saved
+            weights[name] = ("F32", [8], to_dtype_bytes(np.arange(8), "F32"))
+    (directory / "config.json").write_text(json.dumps(case.config, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": case.config["bos_token_id"], "eos_token_id": case.config["eos_token_id"],
+         "do_sample": False, "transformers_version": "4.46.0"}))
+    write_tokenizer(directory, case.config["vocab_size"])
+    write_weights(directory, weights, case.files)
+    return weights
+
+
+def read_safetensors(path: Path) -> Weights:
+    """Every tensor of a safetensors file as (dtype, shape, raw bytes)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    header.pop("__metadata__", None)
+    start = 8 + length
+    tensors = {}
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        tensors[name] = (entry["dtype"], entry["shape"], data[start + begin:start + end])
+    return tensors

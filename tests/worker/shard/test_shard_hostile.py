@@ -1,0 +1,137 @@
+"""Checkpoints that do not match their config, and outputs that are not ours:
+refused with a message naming the problem, and never a manifest."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ferry_worker.manifest import MANIFEST_NAME
+from ferry_worker.shard import ShardJob
+from ferry_worker.shard_model import ShardError
+
+from shard_checkpoints import LLAMA3, LLAMA32_TIED, QWEN2, random_weights, to_dtype_bytes
+
+
+def _no_artifact(output) -> bool:
+    return not (output / MANIFEST_NAME).exists()
+
+
+def _weights(case, edit):
+    weights = random_weights(case.config, case.dtype)
+    edit(weights)
+    return weights
+
+
+def test_missing_tensor_is_named(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(QWEN2, weights=_weights(QWEN2, lambda w: w.pop("model.layers.1.self_attn.k_proj.bias")))
+    with pytest.raises(ShardError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.bias"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_shape_is_named_with_both_shapes(make_checkpoint, tmp_path):
+    def transpose_down(w):
+        dtype, shape, raw = w["model.layers.2.mlp.down_proj.weight"]
+        w["model.layers.2.mlp.down_proj.weight"] = (dtype, shape[::-1], raw)
+    source, _ = make_checkpoint(LLAMA3, weights=_weights(LLAMA3, transpose_down))
+    with pytest.raises(ShardError, match=r"model\.layers\.2\.mlp\.down_proj\.weight has shape \[256, 128\], "
+                                         r"expected \[128, 256\]"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+    assert _no_artifact(tmp_path / "out")
+
+
+def test_unexpected_tensor_is_named(make_checkpoint, tmp_path):
+    def add_extra(w):
+        w["model.layers.0.mlp.experts.0.weight"] = ("BF16", [4], to_dtype_bytes(np.ones(4), "BF16"))
+    source, _ = make_checkpoint(LLAMA3, weights=_weights(LLAMA3, add_extra))
+    with pytest.raises(ShardError, match=r"unexpected tensor\(s\).*model\.layers\.0\.mlp\.experts\.0\.weight"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+    assert _no_artifact(tmp_path / "out")
+
+
+def test_more_layers_than_config_is_unexpected(make_checkpoint, tmp_path):
+    def add_layer(w):
+        w["model.layers.3.input_layernorm.weight"] = w["model.layers.2.input_layernorm.weight"]
+    source, _ = make_checkpoint(LLAMA3, weights=_weights(LLAMA3, add_layer))
+    with pytest.raises(ShardError, match=r"model\.layers\.3\.input_layernorm\.weight"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+def test_fused_tensors_with_different_dtypes_are_refused(make_checkpoint, tmp_path):
+    def fp16_k(w):
+        _, shape, _ = w["model.layers.0.self_attn.k_proj.weight"]
+        w["model.layers.0.self_attn.k_proj.weight"] = ("F16", shape, to_dtype_bytes(np.zeros(shape), "F16"))
+    source, _ = make_checkpoint(LLAMA3, weights=_weights(LLAMA3, fp16_k))
+    with pytest.raises(ShardError, match="qkv_proj.weight fuses .* whose dtypes differ"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+def test_tied_config_with_a_different_lm_head_is_refused_before_writing(make_checkpoint, tmp_path):
+    def untied_copy(w):
+        dtype, shape, raw = w["model.embed_tokens.weight"]
+        w["lm_head.weight"] = (dtype, shape, bytes(reversed(raw)))
+    source, _ = make_checkpoint(LLAMA32_TIED, weights=_weights(LLAMA32_TIED, untied_copy))
+    job = ShardJob.prepare(source, tmp_path / "out", tp=2)
+    with pytest.raises(ShardError, match="ties lm_head.weight to model.embed_tokens.weight, but the checkpoint's "
+                                         "lm_head.weight differs"):
+        job.run()
+    assert not (tmp_path / "out").exists()
+
+
+def test_tied_config_with_an_identical_lm_head_copy_is_accepted(make_checkpoint, tmp_path):
+    def same_copy(w):
+        w["lm_head.weight"] = w["model.embed_tokens.weight"]
+    source, _ = make_checkpoint(LLAMA32_TIED, weights=_weights(LLAMA32_TIED, same_copy))
+    manifest = ShardJob.prepare(source, tmp_path / "out", tp=2).run()
+    assert manifest.extra["skippedTensors"] == {"lm_head.weight": "tied copy of model.embed_tokens.weight"}
+
+
+def test_checkpoint_changed_during_the_cut_leaves_no_manifest(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(LLAMA3)
+    job = ShardJob.prepare(source, tmp_path / "out", tp=2)
+    for weights in source.glob("*.safetensors"):
+        os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ShardError, match="unexpected end of file"):
+        job.run()
+    assert _no_artifact(tmp_path / "out")
+
+
+def test_pickled_weights_are_never_read(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02pickle")
+    with pytest.raises(ShardError, match=r"no \*.safetensors weights \(found pytorch_model.bin: ferry never unpickles"):
+        ShardJob.prepare(tmp_path, tmp_path / "out", tp=1)
+
+
+def test_malformed_safetensors_header_is_refused(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(LLAMA32_TIED)
+    (source / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ShardError, match="header length"):
+        ShardJob.prepare(source, tmp_path / "out", tp=1)
+
+
+def test_index_naming_a_missing_file_is_refused(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(LLAMA3)
+    (source / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ShardError, match="names file\\(s\\) that are missing: model-00002-of-00002.safetensors"):
+        ShardJob.prepare(source, tmp_path / "out", tp=1)
+
+
+def test_output_holding_another_artifact_is_refused(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(LLAMA3)
+    ShardJob.prepare(source, tmp_path / "out", tp=2, max_part_size=200_000).run()
+    with pytest.raises(ShardError, match="already holds a complete artifact"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+    (tmp_path / "out" / MANIFEST_NAME).unlink()
+    # One part per rank this time: the old part-1 files would still match
+    # vLLM's `model-rank-{r}-part-*` glob and load over the new weights.
+    with pytest.raises(ShardError, match="holds files this cut would not write: model-rank-0-part-1"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+def test_output_equal_to_the_source_is_refused(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(LLAMA3)
+    with pytest.raises(ShardError, match="must differ"):
+        ShardJob.prepare(source, source, tp=2)

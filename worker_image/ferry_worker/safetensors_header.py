@@ -1,0 +1,138 @@
+"""Validate a safetensors file from its header alone, before Ferry calls it complete.
+
+Layout: 8 bytes little-endian header length N, N bytes of UTF-8 JSON
+(`{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`),
+then the data region, which offsets index relative to its start.
+
+A checkpoint from an untrusted source could claim a huge header (memory
+exhaustion), offsets past the end of the file or overlapping tensors (readers
+that trust offsets read the wrong bytes or out of bounds), or shapes whose
+byte size disagrees with their extent. Each is refused here, reading only the
+header, so validation costs nothing next to the transfer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# The safetensors library refuses headers above 100 MB; so does Ferry.
+MAX_HEADER_BYTES = 100_000_000
+
+# Bits per element. Sub-byte types pack several elements per byte.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8,
+    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+
+
+class UnsafeSafetensorsError(Exception):
+    """The file is not a well-formed safetensors file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # offsets relative to the data region
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    data_offset: int  # absolute offset of the data region
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str]
+
+
+def validate_safetensors(path: Path, *, name: str | None = None) -> SafetensorsHeader:
+    """Parse and check the header of `path`; raise UnsafeSafetensorsError naming the problem."""
+    label = name or str(path)
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise UnsafeSafetensorsError(f"{label}: {file_size} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise UnsafeSafetensorsError(f"{label}: header length {header_len} exceeds {MAX_HEADER_BYTES} bytes")
+        if 8 + header_len > file_size:
+            raise UnsafeSafetensorsError(f"{label}: header length {header_len} runs past the end of the file ({file_size} bytes)")
+        raw = f.read(header_len)
+    return _check_header(raw, file_size, label)
+
+
+def _check_header(raw: bytes, file_size: int, label: str) -> SafetensorsHeader:
+    def fail(msg: str) -> UnsafeSafetensorsError:
+        return UnsafeSafetensorsError(f"{label}: {msg}")
+
+    if not raw.startswith(b"{"):
+        raise fail("header is not a JSON object")
+    try:
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise fail(f"header is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise fail("header is not a JSON object")
+
+    metadata = body.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise fail("__metadata__ must map strings to strings")
+
+    data_size = file_size - 8 - len(raw)
+    tensors = [_check_tensor(name, entry, fail) for name, entry in body.items()]
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    # Tensors must tile the data region exactly: no gap (unindexed bytes), no overlap.
+    position = 0
+    for t in tensors:
+        if t.begin < position:
+            raise fail(f"tensor {t.name!r} [{t.begin}, {t.end}) overlaps the previous tensor (ends at {position})")
+        if t.begin > position:
+            raise fail(f"bytes [{position}, {t.begin}) of the data region belong to no tensor")
+        position = t.end
+    if position != data_size:
+        if position > data_size:
+            raise fail(f"tensor data ends at {position}, past the end of the data region ({data_size} bytes)")
+        raise fail(f"data region has {data_size} bytes but tensors cover only {position}")
+    return SafetensorsHeader(data_offset=8 + len(raw), tensors=tuple(tensors), metadata=metadata)
+
+
+def _check_tensor(name: str, entry: object, fail) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise fail(f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise fail(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise fail(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise fail(f"tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
+    begin, end = offsets
+    if end < begin:
+        raise fail(f"tensor {name!r}: data_offsets end {end} < begin {begin}")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8:
+        raise fail(f"tensor {name!r}: {dtype} shape {shape} is not a whole number of bytes")
+    if end - begin != bits // 8:
+        raise fail(f"tensor {name!r}: {dtype} shape {shape} needs {bits // 8} bytes, data_offsets span {end - begin}")
+    return TensorInfo(name, dtype, tuple(shape), begin, end)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"duplicate key {dup!r}")
+    return dict(pairs)

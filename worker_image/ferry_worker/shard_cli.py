@@ -1,0 +1,82 @@
+"""`ferry shard` and `ferry unshard`: command-line wiring for the sharder.
+
+`add_shard_commands(subparsers)` adds both to the `ferry` parser; each sets
+`run`, a function of the parsed arguments returning the exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from .progress import Progress, default_sinks
+from .shard import DEFAULT_MAX_PART_SIZE, ShardJob
+from .shard_unshard import unshard
+from .shard_versions import DEFAULT_VLLM_VERSION
+
+log = logging.getLogger("ferry")
+
+
+def add_shard_commands(subparsers: argparse._SubParsersAction) -> None:
+    # Imported here: cli.py imports this module to build its parser.
+    from .cli import parse_size
+
+    shard = subparsers.add_parser(
+        "shard", help="cut a safetensors checkpoint into vLLM sharded_state rank files (no GPU)",
+        description="Write exactly the per-rank files vLLM's ShardedStateLoader expects for "
+                    "--tensor-parallel-size/--pipeline-parallel-size and the target vLLM release, plus "
+                    "config/tokenizer files and ferry-manifest.json (last). Serve with: vllm serve OUTPUT "
+                    "--load-format sharded_state --tensor-parallel-size N [--pipeline-parallel-size M].",
+    )
+    shard.add_argument("--source", required=True, type=Path, metavar="DIR", help="Hugging Face checkpoint directory")
+    shard.add_argument("--output", required=True, type=Path, metavar="DIR", help="empty or new directory")
+    shard.add_argument("--tensor-parallel-size", "-tp", required=True, type=_positive_int, metavar="N")
+    shard.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1, metavar="M")
+    shard.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, metavar="X.Y[.Z]",
+                       help=f"vLLM release that will load the artifact (default {DEFAULT_VLLM_VERSION})")
+    shard.add_argument("--max-part-size", type=parse_size, default=DEFAULT_MAX_PART_SIZE, metavar="SIZE",
+                       help="split a rank's tensors into parts of at most SIZE, as vLLM's saver does (default 5Gi)")
+    shard.add_argument("--pp-layer-partition", type=_layer_partition, metavar="N,N,...",
+                       help="layers per pipeline stage, when serving with VLLM_PP_LAYER_PARTITION set to the same")
+    shard.add_argument("--jobs", type=_positive_int, metavar="N", help="files written at once (default: cores, >= 2)")
+    shard.set_defaults(run=_shard)
+
+    rebuild = subparsers.add_parser(
+        "unshard", help="rebuild the original tensors from a sharded_state artifact, checking every invariant",
+        description="Verify ARTIFACT against its manifest and write OUTPUT/model.safetensors with the "
+                    "checkpoint's tensors under their Hugging Face names, plus the companion files.",
+    )
+    rebuild.add_argument("artifact", type=Path, metavar="ARTIFACT")
+    rebuild.add_argument("--output", required=True, type=Path, metavar="DIR")
+    rebuild.set_defaults(run=_unshard)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _layer_partition(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer counts: {text!r}") from None
+
+
+def _shard(args: argparse.Namespace) -> int:
+    job = ShardJob.prepare(args.source, args.output, tp=args.tensor_parallel_size, pp=args.pipeline_parallel_size,
+                           vllm_version=args.vllm_version, max_part_size=args.max_part_size,
+                           pp_layer_partition=args.pp_layer_partition)
+    with Progress("shard", job.total_bytes, default_sinks()) as progress:
+        manifest = job.run(jobs=args.jobs, on_bytes=progress.advance)
+    log.info("wrote %d files (%d bytes) to %s for vLLM %s, TP %d x PP %d", len(manifest.files),
+             manifest.total_bytes, args.output, job.plan.vllm, job.plan.tp, job.plan.pp)
+    return 0
+
+
+def _unshard(args: argparse.Namespace) -> int:
+    manifest = unshard(args.artifact, args.output)
+    log.info("rebuilt %s (%d bytes) in %s", manifest.files[0].path, manifest.files[0].size, args.output)
+    return 0

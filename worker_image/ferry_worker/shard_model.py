@@ -1,0 +1,106 @@
+"""The sizes of a decoder-only model, read from config.json the way vLLM reads them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .shard_layouts import Family
+
+# vLLM pads the vocabulary of VocabParallelEmbedding / ParallelLMHead to this
+# multiple (vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE) before
+# splitting it across ranks. LoRA adapters change it; Ferry does not shard for LoRA.
+VOCAB_PADDING = 64
+
+
+class ShardError(ValueError):
+    """The checkpoint cannot be cut for the requested target; nothing is written."""
+
+
+def pad_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, family: Family, config: dict) -> "ModelDims":
+        def required(key: str) -> int:
+            value = config.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+            return value
+
+        hidden, heads = required("hidden_size"), required("num_attention_heads")
+        head_dim = config.get("head_dim") if family.head_dim_from_config else None
+        if head_dim is None:  # vLLM: `head_dim or hidden_size // num_attention_heads`
+            head_dim = hidden // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        return cls(
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=required("intermediate_size"),
+            vocab=required("vocab_size"),
+            layers=required("num_hidden_layers"),
+            # The transformers config classes of these families default to untied.
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def size(self, symbol: str) -> int:
+        """The length of a symbolic dimension used in the layout tables."""
+        return {
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "vocab": self.vocab,
+            "head_dim": self.head_dim,
+            "q": self.heads * self.head_dim,
+            "kv": self.kv_heads * self.head_dim,
+        }[symbol]
+
+    def shape(self, symbols: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.size(s) for s in symbols)
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a TP size vLLM itself would assert on (QKVParallelLinear,
+        LlamaAttention, VocabParallelEmbedding all use `divide`)."""
+        problems = []
+        if self.heads % tp:
+            problems.append(f"{self.heads} attention heads")
+        if tp >= self.kv_heads and tp % self.kv_heads:
+            problems.append(f"{self.kv_heads} KV heads (TP above the KV head count must be a multiple of it)")
+        if tp < self.kv_heads and self.kv_heads % tp:
+            problems.append(f"{self.kv_heads} KV heads")
+        if self.intermediate % tp:
+            problems.append(f"intermediate size {self.intermediate}")
+        if pad_vocab(self.vocab) % tp:
+            problems.append(f"padded vocabulary {pad_vocab(self.vocab)}")
+        if problems:
+            raise ShardError(f"tensor parallel size {tp} does not divide: {'; '.join(problems)}")
+
+
+def pp_layer_ranges(layers: int, pp: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) of the decoder layers of each pipeline stage, as vLLM's
+    `distributed/utils.get_pp_indices` computes them: an explicit partition
+    (its VLLM_PP_LAYER_PARTITION), or an even split whose remainder goes to the
+    stages before the last, counting back from the second-to-last."""
+    if partition is not None:
+        if len(partition) != pp or sum(partition) != layers or min(partition) < 0:
+            raise ShardError(f"layer partition {partition} must have {pp} entries summing to {layers}")
+        sizes = list(partition)
+    else:
+        sizes = [layers // pp] * pp
+        for i in range(2, layers % pp + 2):
+            sizes[-i] += 1
+    if 0 in sizes:
+        raise ShardError(f"pipeline parallel size {pp} leaves a stage without layers ({sizes}; {layers} layers)")
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [(start, start + size) for start, size in zip(starts, sizes)]

@@ -1,0 +1,83 @@
+"""The safetensors container as byte ranges: where a tensor's bytes live in a
+validated file, and the header of a file whose data the sharder streams itself.
+
+Layout: an 8-byte little-endian header length, a JSON header mapping each name
+to dtype, shape and [begin, end) within the data region, then the data region.
+No tensor is ever materialized.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .safetensors_header import DTYPE_BITS, UnsafeSafetensorsError, validate_safetensors
+from .shard_model import ShardError
+
+METADATA = {"format": "pt"}  # what torch's save_file writes; transformers checks it
+
+
+class SafetensorsError(ShardError):
+    """A safetensors file is malformed or holds a dtype the sharder cannot slice."""
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element; sub-byte dtypes (F4, F6) have no byte-addressable rows."""
+    bits = DTYPE_BITS.get(dtype)
+    if bits is None or bits % 8:
+        raise SafetensorsError(f"dtype {dtype} is not byte-addressable; ferry shard cannot slice it")
+    return bits // 8
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """`nbytes` bytes at absolute `offset` in `path` hold tensor `name`."""
+
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def locate_tensors(path: Path) -> list[TensorLocation]:
+    """Validate the header of `path` (offsets in bounds, no overlap, sizes that
+    match shapes) and return where each tensor's bytes are."""
+    try:
+        header = validate_safetensors(path)
+    except UnsafeSafetensorsError as e:
+        raise SafetensorsError(str(e)) from None
+    return [TensorLocation(t.name, path, t.dtype, t.shape, header.data_offset + t.begin, t.end - t.begin)
+            for t in header.tensors]
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+def encode_header(entries: Iterable[HeaderEntry]) -> bytes:
+    """Length prefix + JSON header for tensors stored back to back in this order.
+
+    The JSON is padded with spaces to a multiple of 8 bytes, as the safetensors
+    library does, so the data region starts 8-byte aligned.
+    """
+    header: dict[str, object] = {"__metadata__": METADATA}
+    position = 0
+    for entry in entries:
+        header[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                              "data_offsets": [position, position + entry.nbytes]}
+        position += entry.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body

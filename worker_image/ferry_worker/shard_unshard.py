@@ -1,0 +1,167 @@
+"""`ferry unshard`: rebuild the Hugging Face tensors from a `sharded_state`
+artifact Ferry cut, proving the cut lost nothing.
+
+The artifact's manifest records the cut (TP, PP, vLLM release, layer partition)
+and the source tensors' dtypes and shapes; re-planning from them gives, for
+every piece of every rank file, the region of the source tensor it came from.
+Each region is copied back. Beyond the copy, every other invariant of the
+layout is checked: KV-head replicas are identical, vocabulary padding is zero,
+constants hold their value, and the pieces tile each source tensor exactly.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    IntegrityError,
+    Manifest,
+    atomic_file,
+    sha256_file,
+    verify,
+    write_manifest,
+)
+from .safetensors_header import validate_safetensors
+from .shard import FORMAT
+from .shard_bytes import BlockBuffers, Span, piece_span, read_span, write_span
+from .shard_plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
+from .shard_safetensors import HeaderEntry, encode_header, itemsize
+from .shard_versions import parse_vllm_version
+
+UNSHARDED_NAME = "model.safetensors"
+
+
+def unshard(artifact: Path, output: Path) -> Manifest:
+    """Verify `artifact` against its manifest, then write `output/model.safetensors`
+    (every tensor the cut read, under its Hugging Face name) and the companion files."""
+    manifest = verify(artifact)
+    if manifest.format != FORMAT:
+        raise IntegrityError(f"{artifact}: a {manifest.format!r} artifact, not {FORMAT}")
+    plan = _replan(artifact, manifest)
+    rank_files = {f.name for f in plan.files}
+    specs = {name: TensorSpec(s["dtype"], tuple(s["shape"])) for name, s in manifest.extra["sourceTensors"].items()}
+    rebuilt = sorted({p.source for f in plan.files for t in f.tensors for p in t.pieces
+                      if isinstance(p, (Rows, Columns))})
+    order = sorted(rebuilt, key=lambda n: -itemsize(specs[n].dtype))
+    header = encode_header(HeaderEntry(n, specs[n].dtype, specs[n].shape) for n in order)
+    offsets, position = {}, len(header)
+    for name in order:
+        offsets[name] = position
+        position += specs[name].nbytes
+
+    output.mkdir(parents=True, exist_ok=True)
+    coverage = _Coverage()
+    with atomic_file(output / UNSHARDED_NAME, "w+b") as out:
+        out.write(header)
+        out.truncate(position)
+        out.flush()
+        for planned in plan.files:
+            _scatter(artifact / planned.name, planned, out.fileno(), offsets, specs, coverage)
+        coverage.check_complete(specs, rebuilt)
+    entries = [FileEntry(UNSHARDED_NAME, position, sha256_file(output / UNSHARDED_NAME))]
+    for entry in manifest.files:
+        if entry.path not in rank_files:
+            shutil.copyfile(artifact / entry.path, output / entry.path)
+            entries.append(FileEntry(entry.path, entry.size, entry.sha256))
+    result = Manifest(files=entries, source=str(artifact), format="safetensors",
+                      extra={"unshardedFrom": manifest.extra})
+    write_manifest(output, result)
+    return result
+
+
+def _replan(artifact: Path, manifest: Manifest) -> ShardPlan:
+    extra = manifest.extra
+    config = json.loads((artifact / "config.json").read_text())
+    specs = {name: TensorSpec(s["dtype"], tuple(s["shape"])) for name, s in extra["sourceTensors"].items()}
+    plan = plan_shards(config, specs, tp=extra["tensorParallelSize"], pp=extra["pipelineParallelSize"],
+                       vllm=parse_vllm_version(extra["vllmVersion"]), max_part_size=extra["maxPartSize"],
+                       pp_layer_partition=extra["ppLayerPartition"])
+    listed = {e.path for e in manifest.files}
+    missing = [f.name for f in plan.files if f.name not in listed]
+    if missing:
+        raise IntegrityError(f"{artifact}: rank file(s) missing from {MANIFEST_NAME}: {', '.join(missing)}")
+    return plan
+
+
+@dataclass
+class _Coverage:
+    """Which regions of each source tensor have been rebuilt, and from where."""
+
+    regions: dict[str, dict[tuple[type, int, int], tuple[Path, Span]]] = field(default_factory=dict)
+
+    def first_copy(self, source: str, piece: Rows | Columns, rank_file: Path, span: Span) -> tuple[Path, Span] | None:
+        """Record a region; return where it was already rebuilt from, if it was."""
+        key = (type(piece), piece.start, piece.stop)
+        seen = self.regions.setdefault(source, {})
+        if key in seen:
+            return seen[key]
+        seen[key] = (rank_file, span)
+        return None
+
+    def check_complete(self, specs: dict[str, TensorSpec], names: list[str]) -> None:
+        for name in names:
+            kinds = {kind for kind, _, _ in self.regions[name]}
+            if len(kinds) != 1:
+                raise IntegrityError(f"{name}: rebuilt from both row and column slices")
+            kind = kinds.pop()
+            extent = specs[name].shape[1 if kind is Columns else 0]
+            end = 0
+            for _, start, stop in sorted(self.regions[name]):
+                if start != end:
+                    raise IntegrityError(f"{name}: slices leave a gap or overlap at index {end}")
+                end = stop
+            if end != extent:
+                raise IntegrityError(f"{name}: slices cover {end} of {extent}")
+
+
+def _scatter(rank_file: Path, planned: PlannedFile, out_fd: int, offsets: dict[str, int],
+             specs: dict[str, TensorSpec], coverage: _Coverage) -> None:
+    header = validate_safetensors(rank_file)
+    stored = {t.name: t for t in header.tensors}
+    expected = {t.name: (t.dtype, t.shape) for t in planned.tensors}
+    actual = {t.name: (t.dtype, t.shape) for t in header.tensors}
+    if expected != actual:
+        changed = sorted(n for n in expected.keys() & actual.keys() if expected[n] != actual[n])
+        raise IntegrityError(f"{rank_file.name}: tensors differ from the plan "
+                             f"(only in file: {sorted(actual.keys() - expected.keys())}, "
+                             f"only in plan: {sorted(expected.keys() - actual.keys())}, shape/dtype: {changed})")
+    buffers, other = BlockBuffers(), BlockBuffers()
+    with open(rank_file, "rb", buffering=0) as f:
+        fd = f.fileno()
+        for tensor in planned.tensors:
+            position = header.data_offset + stored[tensor.name].begin
+            row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
+            for piece in tensor.pieces:
+                if isinstance(piece, (Rows, Columns)):
+                    spec = specs[piece.source]
+                    dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
+                    here = Span(position, dest.nbytes)
+                    earlier = coverage.first_copy(piece.source, piece, rank_file, here)
+                    if earlier is None:
+                        written = 0
+                        for chunk in read_span(fd, here, buffers):
+                            write_span(out_fd, dest, chunk, written)
+                            written += len(chunk)
+                    else:
+                        _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
+                    position += dest.nbytes
+                elif isinstance(piece, ZeroRows):
+                    nbytes = piece.count * row_bytes
+                    if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):
+                        raise IntegrityError(f"{rank_file.name}: {tensor.name}: vocabulary padding is not zero")
+                    position += nbytes
+                elif isinstance(piece, Constant):
+                    if next(read_span(fd, Span(position, len(piece.data)), buffers)) != piece.data:
+                        raise IntegrityError(f"{rank_file.name}: {tensor.name} is not vLLM's default value")
+                    position += len(piece.data)
+
+
+def _check_replica(fd: int, here: Span, first_file: Path, first: Span, buffers: BlockBuffers,
+                   other: BlockBuffers, label: str) -> None:
+    with open(first_file, "rb", buffering=0) as f:
+        if any(a != b for a, b in zip(read_span(fd, here, buffers), read_span(f.fileno(), first, other))):
+            raise IntegrityError(f"{label}: replicated slice differs from its copy in {first_file.name}")

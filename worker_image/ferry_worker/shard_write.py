@@ -1,0 +1,115 @@
+"""Write planned rank files: streamed, hashed on the way, published atomically.
+
+Each file is produced front to back by one thread: header, then every tensor's
+pieces, read from the checkpoint in bounded blocks. The bytes pass through
+SHA-256 on their way to disk, so the manifest costs no second read (which is
+also why a kernel-side copy_file_range would not save anything here: the hash
+needs the bytes in user space anyway). Files are written in parallel, largest
+first; `pread`/`write`, hashing and numpy gathers release the GIL. All rank
+files of a cut read the same tensors at about the same time, so from a cold
+page cache the checkpoint is read from disk about once.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+from .manifest import FileEntry, atomic_file
+from .shard_bytes import BlockBuffers, piece_span, read_span, zeros
+from .shard_plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
+from .shard_safetensors import HeaderEntry, TensorLocation, encode_header, itemsize
+
+OnBytes = Callable[[int], None]
+
+
+class SourceFiles(contextlib.AbstractContextManager):
+    """Read-only descriptors of the checkpoint files for one reader. Each
+    writer opens its own: the kernel keeps readahead state per open file, and
+    readers interleaving on one descriptor would defeat it."""
+
+    def __init__(self, locations: Mapping[str, TensorLocation]):
+        self.locations = locations
+        self._fds: dict[Path, int] = {}
+        for loc in locations.values():
+            if loc.path not in self._fds:
+                self._fds[loc.path] = os.open(loc.path, os.O_RDONLY)
+
+    def fd(self, tensor: str) -> int:
+        return self._fds[self.locations[tensor].path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def data_order(tensors: tuple[PlannedTensor, ...]) -> list[PlannedTensor]:
+    """Widest dtype first (as the safetensors library orders data), so every
+    tensor starts aligned to its element size after the 8-aligned header."""
+    return sorted(tensors, key=lambda t: -itemsize(t.dtype))
+
+
+def header_for(planned: PlannedFile) -> bytes:
+    return encode_header(HeaderEntry(t.name, t.dtype, t.shape) for t in data_order(planned.tensors))
+
+
+def write_rank_files(files: tuple[PlannedFile, ...], directory: Path, locations: Mapping[str, TensorLocation], *,
+                     jobs: int, on_bytes: OnBytes | None = None) -> list[FileEntry]:
+    report = _serialized(on_bytes)
+    ordered = sorted(files, key=lambda f: -f.data_bytes)
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(ordered)))) as pool:
+        return list(pool.map(lambda f: write_rank_file(f, directory, locations, report), ordered))
+
+
+def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[str, TensorLocation],
+                    on_bytes: OnBytes) -> FileEntry:
+    digest, size = hashlib.sha256(), 0
+    buffers = BlockBuffers()
+    with SourceFiles(locations) as sources, atomic_file(directory / planned.name) as out:
+        def emit(chunk: memoryview | bytes) -> None:
+            nonlocal size
+            digest.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+            on_bytes(len(chunk))
+
+        emit(header_for(planned))
+        for tensor in data_order(planned.tensors):
+            for chunk in _tensor_bytes(tensor, sources, buffers):
+                emit(chunk)
+    return FileEntry(planned.name, size, digest.hexdigest())
+
+
+def _tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:
+    row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
+    for piece in tensor.pieces:
+        if isinstance(piece, (Rows, Columns)):
+            loc = sources.locations[piece.source]
+            yield from read_span(sources.fd(piece.source), piece_span(piece, loc.offset, loc.dtype, loc.shape),
+                                 buffers)
+        elif isinstance(piece, ZeroRows):
+            yield from zeros(piece.count * row_bytes, buffers)
+        elif isinstance(piece, Constant):
+            yield piece.data
+        else:
+            raise AssertionError(piece)
+
+
+def _serialized(on_bytes: OnBytes | None) -> OnBytes:
+    """Progress callbacks from several writer threads, one at a time."""
+    if on_bytes is None:
+        return lambda n: None
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            on_bytes(n)
+    return report
