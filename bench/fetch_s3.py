@@ -132,6 +132,8 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ferry-bench"))
+    ap.add_argument("--ferry-arg", action="append", default=[], metavar="ARG",
+                    help="extra `ferry fetch` argument, e.g. --ferry-arg=--concurrency=4 (repeatable)")
     ap.add_argument("--upload-checksum", choices=["CRC32", "SHA256"], default="CRC32",
                     help="checksum the objects are uploaded with (CRC32: boto3's default; SHA256: Ferry then "
                          "checks the sha256 it computes anyway)")
@@ -153,7 +155,7 @@ def main() -> int:
         keys = [f"{PREFIX}/{name}" for name in sorted(expected)]
         baseline_argv = [sys.executable, "-c", BASELINE, str(out), BUCKET, *keys]
         ferry_argv = [sys.executable, "-m", "ferry_worker.cli", "fetch", "--source", f"s3://{BUCKET}/{PREFIX}",
-                      "--output", str(out)]
+                      "--output", str(out), *args.ferry_arg]
         results: dict[str, list[tuple[float, float]]] = {"baseline": [], "ferry": []}
         load_before = os.getloadavg()[0]
         for run in range(args.runs):

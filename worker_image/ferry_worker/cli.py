@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .transfer import default_concurrency
 from .shard_cli import add_shard_commands
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                             "*.safetensors, *.bin, *.pt); repeatable")
     fetch.add_argument("--ignore-pattern", action="append", default=[], metavar="GLOB",
                        help="skip matching files, on top of original/**/*; repeatable")
-    fetch.add_argument("--concurrency", type=_positive_int, default=8,
-                       help="parallel ranged reads; for hf://, parallel file downloads (default 8)")
+    fetch.add_argument("--concurrency", type=_positive_int, default=default_concurrency(),
+                       help="parallel ranged reads; for hf://, parallel file downloads (default: one per core, 2 to 16)")
     fetch.add_argument("--part-size", type=parse_size, default=32 << 20, metavar="SIZE",
                        help="bytes per ranged read (default 32Mi)")
     fetch.add_argument("--max-bandwidth", type=parse_size, metavar="SIZE",
