@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-unit crds controlplane s3server vllm cluster-up cluster-down demo bench clean
+.PHONY: all venv test test-unit crds controlplane storage node-packages s3server vllm images cluster-up cluster-down demo demo-cluster bench clean
 
 all: test
 
@@ -21,12 +21,12 @@ venv: $(VENV)/.installed
 # and vLLM compatibility. Builds (or reuses) what the tests need, all cached
 # outside the repo by version; the test session starts a cluster if none is
 # running and stops the one it started.
-test: venv controlplane s3server vllm
+test: venv node-packages controlplane storage s3server vllm images
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Tests that need no cluster and no vLLM (under a minute).
+# Tests that need no cluster, no vLLM and no image build (under a minute).
 test-unit: venv s3server
-	$(PY) -m pytest -m "not cluster and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not cluster and not vllm and not images" $(PYTEST_ARGS)
 
 # Regenerate the CRD from the API types (crds/ and the chart's copy).
 crds: venv
@@ -45,14 +45,35 @@ s3server:
 vllm:
 	bash e2e/vllm/install.sh >/dev/null
 
-cluster-up: venv controlplane
+# The container images (pod sandbox pause, busybox, the ferry operator+worker
+# image) built without Docker, cached by content hash under ~/.cache/ferry/images;
+# prints their refs and ctr-importable archives. Needs root; see docs/images.md.
+images: venv node-packages
+	$(PY) e2e/images/build.py
+
+# Debian packages of the real node and the image build (installs what is missing; root).
+node-packages:
+	bash e2e/node/install-packages.sh
+
+# rancher's local-path-provisioner, the real node's dynamic provisioner (Go, cached by version).
+storage:
+	bash e2e/storage/build.sh >/dev/null
+
+# The local cluster: control plane, the real node (kubelet + containerd) and
+# kwok's GPU node. FERRY_NODE=0 leaves the real node out (no root needed).
+cluster-up: venv node-packages controlplane storage images
 	$(PY) e2e/localcluster.py up
 
 cluster-down:
 	$(PYTHON) e2e/localcluster.py down
 
-demo: venv controlplane
+demo: venv node-packages controlplane storage images
 	$(PY) e2e/demo.py
+
+# The production path on one machine: helm install into the local cluster, the
+# operator in a pod, real Jobs on the real node. Leaves it all running.
+demo-cluster: venv node-packages controlplane storage s3server images
+	$(PY) e2e/demo_cluster.py
 
 # Benchmarks (minutes, several GiB of scratch space under /tmp); see README.
 bench: venv s3server

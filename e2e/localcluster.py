@@ -1,17 +1,31 @@
 #!/usr/bin/env python3
-"""A real, Docker-free Kubernetes control plane on loopback.
+"""A real, Docker-free Kubernetes cluster on this machine.
 
-etcd + kube-apiserver + kube-controller-manager + kube-scheduler, plus kwok,
-which gives a fake GPU node and pod lifecycles (pods are scheduled and turn
-Running without a kubelet). Binaries come from e2e/controlplane/build.sh
-(built from the Go module proxy, cached by version) or FERRY_K8S_ASSETS.
+etcd + kube-apiserver + kube-controller-manager + kube-scheduler, and two nodes:
+- `ferry-node-0`, a real node (e2e/localnode.py): kubelet + containerd + runc
+  + CNI + kube-proxy, and rancher's local-path-provisioner as the default
+  StorageClass. Prepare Jobs and the operator from the chart run here.
+- `ferry-gpu-node-0`, kwok's fake 8-GPU node (pods are scheduled and turn
+  Running without running): the vLLM serving pods that cannot run here. It
+  carries the `nvidia.com/gpu` NoSchedule taint of a GPU node pool; pods that
+  request `nvidia.com/gpu` get the toleration from the
+  ExtendedResourceToleration admission plugin, as on GKE and AKS.
+Binaries come from e2e/controlplane/build.sh (built from the Go module proxy,
+cached by version) or FERRY_K8S_ASSETS. FERRY_NODE=0 leaves the real node out
+(no root needed; the API server then listens on loopback only).
 
     python e2e/localcluster.py up      # start in the background, write .ferry/kubeconfig
     python e2e/localcluster.py down    # stop and delete the cluster's data
     python e2e/localcluster.py status
 
-Authentication is a static token file: `ferry-admin` (system:masters) in the
-kubeconfig, and one identity per control-plane component, so RBAC is real.
+Authentication: a static token file (`ferry-admin`, system:masters, in the
+kubeconfig; one identity per control-plane component) and client certificates
+(the kubelet as `system:node:ferry-node-0` under the Node authorizer and
+NodeRestriction; the API server to the kubelet), so RBAC is real.
+
+With the real node the API server listens on, and advertises, the node's
+bridge address (10.250.0.1, which exists only on this machine): pods reach it
+through the `kubernetes` Service; the kubeconfig points there too.
 """
 from __future__ import annotations
 
@@ -28,12 +42,48 @@ import time
 import urllib.request
 from pathlib import Path
 
+import localnode
+
 REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("FERRY_STATE_DIR", REPO / ".ferry"))
 CLUSTER = STATE / "cluster"
 KUBECONFIG = STATE / "kubeconfig"
 SERVICE_CIDR = "10.96.0.0/16"
 FAKE_NODE = "ferry-gpu-node-0"
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+PAUSE_IMAGE = "ferry.local/pause:3.10"
+
+
+AUDIT_LOG = CLUSTER / "logs" / "audit.log"
+
+
+def write_audit_policy(path: Path) -> Path:
+    """Audit only writes of ModelWeights status, with their bodies; nothing else."""
+    path.write_text(json.dumps({
+        "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+        "rules": [{"level": "Request", "verbs": ["patch", "update"],
+                   "resources": [{"group": "ferry.dev", "resources": ["modelweights/status"]}]},
+                  {"level": "None"}]}))
+    return path
+
+
+def audit_events() -> list[dict]:
+    """The API server's audit events so far (see write_audit_policy)."""
+    if not AUDIT_LOG.exists():
+        return []
+    return [json.loads(line) for line in AUDIT_LOG.read_text().splitlines() if line.strip()]
+
+
+def node_enabled() -> bool:
+    return os.environ.get("FERRY_NODE", "1") != "0"
+
+
+def api_address() -> str:
+    return localnode.NODE_IP if node_enabled() else "127.0.0.1"
+
+
+def node_paths() -> localnode.NodePaths:
+    return localnode.NodePaths(STATE)
 
 
 def binaries() -> Path:
@@ -41,6 +91,24 @@ def binaries() -> Path:
         ["bash", str(REPO / "e2e/controlplane/build.sh")], check=True, stdout=subprocess.PIPE, text=True
     )
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def storage_provisioner() -> str:
+    """rancher's local-path-provisioner (e2e/storage/build.sh, cached by version)."""
+    out = subprocess.run(["bash", str(REPO / "e2e/storage/build.sh")], check=True, stdout=subprocess.PIPE, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def built_images() -> dict[str, dict[str, str]]:
+    """Build (or reuse) the node's images: e2e/images/build.py, cached by content hash."""
+    out = subprocess.run([sys.executable, str(REPO / "e2e/images/build.py")], check=True,
+                         stdout=subprocess.PIPE, text=True)
+    return json.loads(out.stdout)
+
+
+def import_images(node: "localnode.Node", images: dict[str, dict[str, str]]) -> None:
+    subprocess.run([sys.executable, str(REPO / "e2e/images/build.py"), "import", "--address",
+                    str(node.paths.containerd_sock)], check=True, stdout=subprocess.DEVNULL)
 
 
 def kubectl_path() -> str:
@@ -61,9 +129,9 @@ def wait_crd_established(crd: str, kubeconfig: Path = KUBECONFIG, timeout: float
     raise TimeoutError(f"CRD {crd} not Established after {timeout}s")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -71,29 +139,39 @@ def openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
+def signed_cert(pki: Path, name: str, subject: str, ext: str) -> None:
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
+            "-keyout", str(pki / f"{name}.key"), "-out", str(pki / f"{name}.csr"))
+    (pki / f"{name}.ext").write_text(ext + "\n")
+    openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"), "-CAkey",
+            str(pki / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(pki / f"{name}.ext"),
+            "-out", str(pki / f"{name}.crt"))
+
+
 def make_pki(pki: Path) -> None:
-    """A CA, an apiserver serving cert for loopback, and the service-account key pair."""
+    """A CA, the apiserver's serving cert, client certs for the kubelet (a node
+    identity) and for the apiserver to the kubelet, and the service-account keys."""
     pki.mkdir(parents=True, exist_ok=True)
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=ferry-local-ca",
             "-keyout", str(pki / "ca.key"), "-out", str(pki / "ca.crt"))
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-            "-keyout", str(pki / "apiserver.key"), "-out", str(pki / "apiserver.csr"))
-    ext = pki / "apiserver.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
-                   "DNS:kubernetes.default,DNS:kubernetes.default.svc\n")
-    openssl("x509", "-req", "-in", str(pki / "apiserver.csr"), "-CA", str(pki / "ca.crt"), "-CAkey",
-            str(pki / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(ext),
-            "-out", str(pki / "apiserver.crt"))
+    signed_cert(pki, "apiserver", "/CN=kube-apiserver",
+                f"subjectAltName=IP:127.0.0.1,IP:{localnode.NODE_IP},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+                "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
+    client = "extendedKeyUsage=clientAuth"
+    signed_cert(pki, "kubelet", f"/O=system:nodes/CN=system:node:{localnode.NODE_NAME}", client)
+    signed_cert(pki, "apiserver-kubelet-client", "/CN=kube-apiserver-kubelet-client", client)
     openssl("genrsa", "-out", str(pki / "sa.key"), "2048")
     openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
 
-def kubeconfig(server: str, ca: Path, token: str, user: str) -> str:
+def kubeconfig(server: str, ca: Path, token: str | None, user: str, cert: Path | None = None) -> str:
+    creds = {"token": token} if token else {"client-certificate": str(cert.with_suffix(".crt")),
+                                            "client-key": str(cert.with_suffix(".key"))}
     return json.dumps({
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "ferry-local", "cluster": {"server": server, "certificate-authority": str(ca)}}],
-        "users": [{"name": user, "user": {"token": token}}],
+        "users": [{"name": user, "user": creds}],
         "contexts": [{"name": "ferry-local", "context": {"cluster": "ferry-local", "user": user}}],
         "current-context": "ferry-local",
     }, indent=2)
@@ -125,25 +203,36 @@ class Cluster:
             return
         self.down(quiet=True)
         bin_dir = binaries()
+        with_node = node_enabled()
+        CLUSTER.mkdir(parents=True, exist_ok=True)
+        (CLUSTER / "bin.json").write_text(json.dumps({"bin": str(bin_dir)}))
+        provisioner_bin = storage_provisioner() if with_node else ""
         pki = CLUSTER / "pki"
         make_pki(pki)
         self.logs.mkdir(parents=True, exist_ok=True)
-        tokens = {u: secrets.token_hex(16) for u in ("admin", "controller-manager", "scheduler", "kwok")}
-        (pki / "tokens.csv").write_text(
-            f'{tokens["admin"]},ferry-admin,ferry-admin,"system:masters"\n'
-            f'{tokens["controller-manager"]},system:kube-controller-manager,kcm\n'
-            f'{tokens["scheduler"]},system:kube-scheduler,scheduler\n'
-            # kwok plays the kubelet of every fake node (and deletes their pods).
-            f'{tokens["kwok"]},kwok-controller,kwok,"system:masters"\n'
-        )
-        etcd_port, etcd_peer, api_port, kcm_port, sched_port = (free_port() for _ in range(5))
-        server = f"https://127.0.0.1:{api_port}"
+        users = {"admin": ("ferry-admin", "system:masters"), "controller-manager": ("system:kube-controller-manager", ""),
+                 "scheduler": ("system:kube-scheduler", ""),
+                 # kwok plays the kubelet of every fake node (and deletes their pods).
+                 "kwok": ("kwok-controller", "system:masters"),
+                 "kube-proxy": ("system:kube-proxy", ""),
+                 "local-path-provisioner": ("system:local-path-provisioner", "")}
+        tokens = {u: secrets.token_hex(16) for u in users}
+        (pki / "tokens.csv").write_text("".join(
+            f'{tokens[u]},{name},{u}' + (f',"{group}"' if group else "") + "\n" for u, (name, group) in users.items()))
+        address = api_address()
+        if with_node:
+            # The bridge carries the API server's address: it must exist first.
+            localnode.network_up(SERVICE_CIDR)
+        etcd_port, etcd_peer, kcm_port, sched_port = (free_port() for _ in range(4))
+        api_port = free_port(address)
+        server = f"https://{address}:{api_port}"
         ca = pki / "ca.crt"
         cfgs = {}
-        for user, name in (("controller-manager", "system:kube-controller-manager"),
-                           ("scheduler", "system:kube-scheduler"), ("kwok", "kwok-controller")):
+        for user, (name, _) in users.items():
             cfgs[user] = CLUSTER / f"{user}.kubeconfig"
             cfgs[user].write_text(kubeconfig(server, ca, tokens[user], name))
+        cfgs["kubelet"] = CLUSTER / "kubelet.kubeconfig"
+        cfgs["kubelet"].write_text(kubeconfig(server, ca, None, "kubelet", cert=pki / "kubelet.crt"))
 
         pids: dict[str, int] = {}
         pids["etcd"] = self._spawn("etcd", [
@@ -159,7 +248,7 @@ class Cluster:
         pids["kube-apiserver"] = self._spawn("kube-apiserver", [
             str(bin_dir / "kube-apiserver"),
             "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+            "--bind-address", address, "--advertise-address", address,
             "--secure-port", str(api_port),
             "--tls-cert-file", str(pki / "apiserver.crt"), "--tls-private-key-file", str(pki / "apiserver.key"),
             "--client-ca-file", str(ca),
@@ -168,13 +257,23 @@ class Cluster:
             "--requestheader-group-headers", "X-Remote-Group",
             "--token-auth-file", str(pki / "tokens.csv"),
             "--authorization-mode", "Node,RBAC",
+            "--enable-admission-plugins", "NodeRestriction,ExtendedResourceToleration",
+            "--kubelet-client-certificate", str(pki / "apiserver-kubelet-client.crt"),
+            "--kubelet-client-key", str(pki / "apiserver-kubelet-client.key"),
+            # By address, never by node name: a name would go to the machine's DNS resolver.
+            "--kubelet-preferred-address-types", "InternalIP",
             "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
             "--service-account-key-file", str(pki / "sa.pub"),
             "--service-account-signing-key-file", str(pki / "sa.key"),
             "--service-cluster-ip-range", SERVICE_CIDR,
             "--allow-privileged=true",
             "--enable-priority-and-fairness=false",
-            "--endpoint-reconciler-type", "none",
+            # Who wrote a ModelWeights' status, from which address (tests read it).
+            "--audit-policy-file", str(write_audit_policy(CLUSTER / "audit-policy.json")),
+            "--audit-log-path", str(AUDIT_LOG), "--audit-log-format", "json",
+            # The `kubernetes` Service's endpoint is the advertised address, which
+            # Endpoints validation refuses when it is loopback.
+            "--endpoint-reconciler-type", "lease" if with_node else "none",
         ])
         ep = {"server": server, "ca": str(ca), "token": tokens["admin"]}
         (CLUSTER / "endpoint.json").write_text(json.dumps(ep))
@@ -191,7 +290,7 @@ class Cluster:
             "--root-ca-file", str(ca),
             "--leader-elect=false",
             "--bind-address", "127.0.0.1", "--secure-port", str(kcm_port),
-            # nodelifecycle stays: it lifts the not-ready taint once kwok reports the node Ready.
+            # nodelifecycle stays: it lifts the not-ready taint once a node reports Ready.
             "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route",
             "--concurrent-deployment-syncs", "2",
         ])
@@ -209,7 +308,7 @@ class Cluster:
             "--manage-all-nodes=false",
             "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
             "--node-ip", "127.0.0.1",
-            "--cidr", "10.244.0.0/16",
+            "--cidr", localnode.KWOK_POD_CIDR,
             # Renew node Leases, or the node-lifecycle controller marks the node
             # and its pods NotReady after the grace period.
             "--node-lease-duration-seconds", "40",
@@ -218,10 +317,45 @@ class Cluster:
         self.pids_file.write_text(json.dumps(pids))
         KUBECONFIG.write_text(kubeconfig(server, ca, tokens["admin"], "ferry-admin"))
         self._create_fake_node()
+        if with_node:
+            self._start_node(pids, bin_dir, provisioner_bin, cfgs, ca, timeout)
         # The serviceaccount controller must have made `default` before pods can be created.
         self._wait(lambda: self._kubectl("get", "serviceaccount", "default", "-n", "default", check=False) == 0,
                    timeout, "default ServiceAccount", pids)
         print(f"local cluster up: {server}\nexport KUBECONFIG={KUBECONFIG}")
+
+    def _start_node(self, pids: dict[str, int], bin_dir: Path, provisioner_bin: str, cfgs: dict[str, Path],
+                    ca: Path, timeout: float) -> None:
+        node = localnode.Node(node_paths())
+        # The API server's own identity towards kubelets (logs, exec, port-forward).
+        self._apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                     "metadata": {"name": "ferry-local:apiserver-kubelet-client"},
+                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                 "name": "system:kubelet-api-admin"},
+                     "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io",
+                                   "name": "kube-apiserver-kubelet-client"}]})
+        images = built_images()
+        for obj in localnode.storage_objects(node.paths, images["busybox"]["ref"], "system:local-path-provisioner"):
+            self._apply(obj)
+        pids.update(node.start_runtime(self._spawn, PAUSE_IMAGE, SERVICE_CIDR))
+        self.pids_file.write_text(json.dumps(pids))
+        import_images(node, images)
+        creds = localnode.NodeCredentials(ca=ca, kubelet_kubeconfig=cfgs["kubelet"],
+                                          proxy_kubeconfig=cfgs["kube-proxy"],
+                                          provisioner_kubeconfig=cfgs["local-path-provisioner"],
+                                          provisioner_user="system:local-path-provisioner")
+        pids.update(node.start_node(self._spawn, bin_dir, provisioner_bin, images["busybox"]["ref"], creds, free_port))
+        self.pids_file.write_text(json.dumps(pids))
+        jsonpath = '{.status.conditions[?(@.type=="Ready")].status}'
+        self._wait(lambda: subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "get", "node",
+                                           localnode.NODE_NAME, "-o", f"jsonpath={jsonpath}"],
+                                          capture_output=True, text=True).stdout == "True",
+                   timeout, f"node {localnode.NODE_NAME} Ready", pids)
+        localnode.guard_first()
+
+    def _apply(self, obj: dict) -> None:
+        subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],
+                       input=json.dumps(obj), text=True, check=True, capture_output=True)
 
     def _create_fake_node(self) -> None:
         node = {
@@ -233,6 +367,7 @@ class Cluster:
                            "kubernetes.io/arch": "amd64", "type": "kwok",
                            "nvidia.com/gpu.present": "true"},
             },
+            "spec": {"taints": [GPU_TAINT]},
             "status": {
                 "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8",
                                 "ephemeral-storage": "2Ti"},
@@ -247,10 +382,10 @@ class Cluster:
         return subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), *args],
                               capture_output=True, check=check).returncode
 
-    def _spawn(self, name: str, argv: list[str]) -> int:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **(env or {})})
         return proc.pid
 
     def _wait(self, ok, timeout: float, what: str, pids: dict[str, int]) -> None:
@@ -272,6 +407,12 @@ class Cluster:
             pids = json.loads(self.pids_file.read_text())
             for pid in reversed(list(pids.values())):
                 _kill(pid)
+        # The node's leftovers whether or not it was recorded (a crashed `up`).
+        paths = node_paths()
+        if paths.root.exists() or paths.run.exists() or localnode.leftovers(paths)["links"]:
+            bin_dir = Path(json.loads((CLUSTER / "bin.json").read_text())["bin"]) if (CLUSTER / "bin.json").exists() \
+                else None
+            localnode.Node(paths).stop(bin_dir)
         if CLUSTER.exists():
             subprocess.run(["rm", "-rf", str(CLUSTER)], check=True)
         KUBECONFIG.unlink(missing_ok=True)
@@ -308,7 +449,7 @@ def _kill(pid: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["up", "down", "status", "build"])
+    ap.add_argument("command", choices=["up", "down", "status", "build", "leftovers"])
     args = ap.parse_args()
     cluster = Cluster()
     if args.command == "up":
@@ -317,6 +458,11 @@ def main() -> None:
         cluster.down()
     elif args.command == "build":
         print(binaries())
+    elif args.command == "leftovers":
+        # After `down`: anything of the node still on this machine fails this.
+        left = {k: v for k, v in localnode.leftovers(node_paths()).items() if v}
+        print(json.dumps(left, indent=2) if left else "nothing of the local cluster is left on this machine")
+        sys.exit(1 if left else 0)
     else:
         ok = cluster.running()
         print("running" if ok else "not running")

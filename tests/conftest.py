@@ -15,6 +15,7 @@ sys.path.insert(0, str(REPO / "e2e"))
 sys.path.insert(0, str(REPO / "tests"))
 
 import localcluster  # noqa: E402
+import localnode  # noqa: E402
 from cluster_support import Kube  # noqa: E402
 
 CRD_FILE = REPO / "crds" / "ferry.dev_modelweights.yaml"
@@ -30,6 +31,10 @@ def kube() -> Kube:
     yield Kube(localcluster.KUBECONFIG, localcluster.kubectl_path())
     if started and not os.environ.get("FERRY_KEEP_CLUSTER"):
         cluster.down(quiet=True)
+        # The session started it, so the session proves it stopped all of it:
+        # kubelet, containerd, shims, pod processes, mounts, links, iptables rules.
+        left = {k: v for k, v in localnode.leftovers(localcluster.node_paths()).items() if v}
+        assert not left, f"the local cluster left things behind after down: {left}"
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +53,12 @@ def namespace(kube: Kube) -> str:
     kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+
+
+@pytest.fixture(scope="session")
+def images(kube: Kube) -> dict[str, dict[str, str]]:
+    """The images `make images` builds from this working tree (a Python-only
+    change rebuilds one layer in seconds), imported into the real node's containerd."""
+    built = localcluster.built_images()
+    localcluster.import_images(localnode.Node(localcluster.node_paths()), built)
+    return built

@@ -89,15 +89,20 @@ def test_chart_ships_the_generated_crd():
 
 
 @pytest.fixture(scope="module")
-def installed(kube, helm):
+def installed(kube, helm, images):
     env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig),
            "HELM_CACHE_HOME": str(localcluster.STATE / "helm/cache"),
            "HELM_CONFIG_HOME": str(localcluster.STATE / "helm/config"),
            "HELM_DATA_HOME": str(localcluster.STATE / "helm/data")}
     # The worker's namespace exists before the release, as a user's would.
     kube.kubectl("create", "namespace", "ml", check=False)
+    # The operator really runs (on the real node, with the image built here);
+    # it watches only `ml`, so it leaves other tests' ModelWeights alone.
+    repository, _, tag = images["ferry"]["ref"].rpartition(":")
     run_helm(helm, "upgrade", "--install", "ferry", str(CHART), "--namespace", "ferry-system", "--create-namespace",
-             "--set", "workerNamespaces={ml}", "--wait", "--timeout", "120s", env=env)
+             "--set", "workerNamespaces={ml}", "--set", "operator.watchNamespaces={ml}",
+             "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+             "--set", "operator.resources.requests.cpu=50m", "--wait", "--timeout", "120s", env=env)
     yield kube
     run_helm(helm, "uninstall", "ferry", "--namespace", "ferry-system", "--wait", check=False, env=env)
 
@@ -117,6 +122,11 @@ RBAC_MATRIX = [
     (OPERATOR, "create", "events", "ml", True),
     (OPERATOR, "create", "serviceaccounts", "ml", True),
     (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-worker", None, True),
+    # Why a claim stays Pending: its StorageClass, by name; never the cluster's events.
+    (OPERATOR, "get", "storageclasses.storage.k8s.io", None, True),
+    (OPERATOR, "list", "storageclasses.storage.k8s.io", None, False),
+    (OPERATOR, "list", "events", "ml", False),
+    (OPERATOR, "list", "pods", "ml", True),
     (OPERATOR, "get", "secrets", "ml", False),
     (OPERATOR, "list", "secrets", None, False),
     (OPERATOR, "create", "deployments.apps", "ml", False),

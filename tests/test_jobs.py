@@ -56,3 +56,16 @@ def test_result_parsing_ignores_anything_but_ferry_json():
     assert jobs.parse_result("Traceback (most recent call last): ...") is None
     assert jobs.parse_result('{"other": 1}') is None
     assert jobs.parse_result("") is None
+
+
+def test_bad_input_fails_the_job_at_once_and_disruptions_do_not_count():
+    from ferry_worker.cli import EXIT_INPUT
+
+    m = mw(manifest())
+    spec = jobs.job_manifest(m, prepare_steps(m.spec)[0], "uid", SETTINGS)["spec"]
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
+    fail_job, ignore = spec["podFailurePolicy"]["rules"]
+    assert fail_job == {"action": "FailJob", "onExitCodes": {"containerName": "worker", "operator": "In",
+                                                             "values": [EXIT_INPUT]}}
+    assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert spec["backoffLimit"] == 3  # crashes and OOM kills still retry

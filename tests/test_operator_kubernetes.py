@@ -1,9 +1,10 @@
 """The kubernetes executor against the real API server: the operator creates
 the claim, the worker identity and one Job per step, each validated by
 kube-apiserver, and a step's result travels back in the pod's termination
-message. kwok plays the kubelet (Job pods complete without running); the test
-writes the termination message the worker would have written — a stand-in
-for the node, said plainly here."""
+message. Here the Job pods are pinned to kwok's node, which completes them
+without running them, and the test writes the termination message the worker
+would have written — a stand-in for the node, said plainly here. The same
+path on the real node, with the image built here: tests/node/."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,11 @@ IMAGE = "ghcr.io/ferry-dev/ferry:test"
 def k8s_operator(crd, namespace, tmp_path):
     with running_operator(crd, namespace, tmp_path / "operator.log", FERRY_EXECUTOR="kubernetes",
                           FERRY_WORKER_IMAGE=IMAGE,
+                          # kwok's node completes pods without running them: this
+                          # test's stand-in for a node (tests/node/ runs them for real).
+                          FERRY_WORKER_NODE_SELECTOR=json.dumps({"type": "kwok"}),
+                          FERRY_WORKER_TOLERATIONS=json.dumps([{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                                "effect": "NoSchedule"}]),
                           FERRY_WORKER_RESOURCES=json.dumps({"requests": {"cpu": "1", "memory": "1Gi"}})):
         yield
 

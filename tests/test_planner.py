@@ -5,7 +5,7 @@ import pytest
 
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import (
-    ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, human_bytes, plan,
+    ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, blocked, human_bytes, plan,
 )
 from ferry_operator.serving import DIGEST_ANNOTATION, DeploymentFacts
 from ferry_operator.steps import prepare_steps, spec_digest
@@ -199,3 +199,48 @@ def test_ready_clears_an_earlier_stall():
     m2 = m.model_copy(update={"status": stalled.status})
     first = plan(m2, Observed(steps=done, artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
     assert conds(first)["Stalled"][0] == "False"
+
+
+def test_a_failed_step_with_a_reason_stalls_with_that_reason():
+    m = mw()
+    fetch, _ = prepare_steps(m.spec)
+    failed = StepState(StepPhase.FAILED, 'Secret ml/hf-token (spec.source.credentialsSecretRef) does not exist',
+                       reason="SecretNotFound")
+    p = plan(m, Observed(steps={fetch.id: failed}))
+    assert conds(p)["Stalled"] == ("True", "SecretNotFound")
+    assert conds(p)["Ready"] == ("False", "SecretNotFound")
+    assert conds(p)["Downloaded"] == ("False", "SecretNotFound")
+    assert conds(p)["Reconciling"][0] == "False"
+    stalled = next(c for c in p.status.conditions if c.type == "Stalled")
+    assert stalled.message == "fetch failed: Secret ml/hf-token (spec.source.credentialsSecretRef) does not exist"
+    assert p.status.phase == "Failed" and p.actions == []
+    # Fixed (the Secret created): the kubelet starts the container, the step runs, the stall ends.
+    m2 = m.model_copy(update={"status": p.status})
+    p2 = plan(m2, Observed(steps={fetch.id: StepState(StepPhase.RUNNING)}))
+    assert conds(p2)["Stalled"] == ("False", "Progressing") and conds(p2)["Reconciling"] == ("True", "Fetch")
+    assert p2.status.phase == "Fetching"
+
+
+def test_a_waiting_step_says_why_in_reconciling_without_stalling():
+    m = mw()
+    fetch, _ = prepare_steps(m.spec)
+    waiting = StepState(StepPhase.RUNNING, "pod ml/llama-fetch-x cannot be scheduled: 0/1 nodes are available",
+                        reason="Unschedulable")
+    p = plan(m, Observed(steps={fetch.id: waiting}))
+    assert conds(p)["Reconciling"] == ("True", "Unschedulable")
+    assert "Stalled" not in conds(p) and p.status.phase == "Fetching" and p.actions == []
+    reconciling = next(c for c in p.status.conditions if c.type == "Reconciling")
+    assert reconciling.message == "step fetch running: pod ml/llama-fetch-x cannot be scheduled: 0/1 nodes are available"
+
+
+def test_blocked_stalls_and_keeps_what_was_observed():
+    m = mw()
+    ready = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    status = blocked(ready.status, 4, "Forbidden", "may not list pods in namespace ml")
+    by_type = {c.type: c for c in status.conditions}
+    assert (by_type["Stalled"].status, by_type["Stalled"].reason) == ("True", "Forbidden")
+    assert by_type["Ready"].status == "False" and by_type["Reconciling"].status == "False"
+    assert by_type["Prepared"].status == "True"  # as last observed
+    assert status.phase == "Failed" and status.observed_generation == 4
+    assert status.artifact == ready.status.artifact
+    assert ready.status.phase != "Failed"  # a copy: the input is untouched

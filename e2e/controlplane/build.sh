@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the local control plane (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kwok), a kubectl of the same release and helm from the Go
+# kube-scheduler, kwok), a kubectl, a kubelet and kube-proxy (the real node) of the same
+# release and helm from the Go
 # module proxy, into a cache keyed by version outside the repo. A warm cache
 # returns in milliseconds.
 #
@@ -8,13 +9,13 @@
 #
 # Prebuilt binaries: set FERRY_K8S_ASSETS (or KUBEBUILDER_ASSETS) to a directory
 # holding etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl, kwok and helm; nothing is built then.
+# kubectl, kubelet, kube-proxy, kwok and helm; nothing is built then.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy kwok helm)
 
 assets=${FERRY_K8S_ASSETS:-${KUBEBUILDER_ASSETS:-}}
 if [[ -n "$assets" ]]; then
@@ -58,7 +59,7 @@ build_kubernetes() {
     } > "$mod/go.mod"
   fi
   local targets=()
-  for t in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  for t in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
     [[ -x "$bin/$t" ]] || targets+=("$t")
   done
   for t in "${targets[@]}"; do

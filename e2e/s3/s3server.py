@@ -29,18 +29,20 @@ def server_binary() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class S3Server:
-    def __init__(self, root: Path, backend: str = "fs") -> None:
+    def __init__(self, root: Path, backend: str = "fs", host: str = "127.0.0.1") -> None:
+        # host: loopback, or an address on the local cluster's bridge for pods.
         if backend not in ("fs", "mem"):
             raise ValueError(f"backend must be fs or mem, not {backend!r}")
         self.root = root
         self.backend = backend
+        self.host = host
         self.endpoint = ""
         self._process: subprocess.Popen | None = None
 
@@ -56,14 +58,14 @@ class S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
         log = self.root / "server.log"
         for _ in range(3):  # another process may take the port between probe and bind
-            port = _free_port()
-            argv = [binary, "-host", f"127.0.0.1:{port}", "-backend", self.backend]
+            port = _free_port(self.host)
+            argv = [binary, "-host", f"{self.host}:{port}", "-backend", self.backend]
             if self.backend == "fs":
                 argv += ["-fs.path", str(self.root / "data"), "-fs.create"]
             with open(log, "ab") as out:
                 self._process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
             if self._wait_ready(port, timeout_s):
-                self.endpoint = f"http://127.0.0.1:{port}"
+                self.endpoint = f"http://{self.host}:{port}"
                 return
             self.stop()
         raise RuntimeError(f"the S3 server did not start; see {log}:\n{log.read_text()[-2000:]}")
@@ -74,7 +76,7 @@ class S3Server:
             if self._process is None or self._process.poll() is not None:
                 return False
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                with socket.create_connection((self.host, port), timeout=0.5):
                     return True
             except OSError:
                 time.sleep(0.05)

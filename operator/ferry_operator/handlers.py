@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
-from .api.types import GROUP, PLURAL, VERSION, ConditionType, ModelWeights, ModelWeightsStatus
+from .api.types import GROUP, PLURAL, VERSION, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
-from .conditions import set_condition
-from .planner import ArtifactFacts, Observed, PatchDeployment, StartStep, StepState, plan
+from .executors.diagnosis import FORBIDDEN, forbidden
+from .planner import ArtifactFacts, Observed, PatchDeployment, StartStep, StepState, blocked, plan
 from .serving import DeploymentFacts
 from .steps import Step, UnsupportedSpec, prepare_steps
 
@@ -125,15 +126,32 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
         mw = parse(dict(body))
         steps = prepare_steps(mw.spec)
     except (InvalidSpec, UnsupportedSpec) as exc:
-        status = ModelWeightsStatus.model_validate(raw_status) if raw_status else ModelWeightsStatus()
-        generation = body["metadata"].get("generation", 0)
-        for t, value in ((ConditionType.STALLED, True), (ConditionType.READY, False),
-                         (ConditionType.RECONCILING, False)):
-            status.conditions = set_condition(status.conditions, t, value, type(exc).__name__, str(exc), generation)
-        status.observed_generation = generation
-        status.phase = "Failed"
+        status = blocked(_parse_status(raw_status), body["metadata"].get("generation", 0), type(exc).__name__,
+                         str(exc))
         patch.status.update(_status_patch(raw_status, status))
         return
+    try:
+        status = _reconcile(mw, namespace, name, uid, steps)
+    except ApiException as exc:
+        if exc.status != 403:  # kopf logs it and retries
+            raise
+        # A permission the operator lacks (or a quota, an admission webhook):
+        # say which, keep the timer going, converge once it is granted.
+        message = forbidden(exc.body, str(exc))
+        previous = raw_status.get("conditions") or []
+        if not any(c.get("type") == "Stalled" and c.get("message") == message for c in previous):
+            log.warning("%s/%s: %s", namespace, name, message)
+        status = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message)
+    patch.status.update(_status_patch(raw_status, status))
+
+
+def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
+    return ModelWeightsStatus.model_validate(raw) if raw else ModelWeightsStatus()
+
+
+def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step]) -> ModelWeightsStatus:
+    """Observe, plan, act; the status the planner computed."""
+    assert EXECUTOR is not None
     refs = mw.spec.serving.deployments if mw.spec.serving else []
     observed = Observed(
         steps={s.id: EXECUTOR.observe(mw, s) for s in steps},
@@ -149,7 +167,7 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
                                              _content_type="application/strategic-merge-patch+json")
-    patch.status.update(_status_patch(raw_status, result.status))
+    return result.status
 
 
 # No finalizer of its own (optional=True): the timer's finalizer already routes

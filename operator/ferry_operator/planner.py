@@ -24,8 +24,13 @@ class StepPhase(str, Enum):
 
 @dataclass(frozen=True)
 class StepState:
+    """A step as the executor sees it. `reason` (CamelCase) names why a step is
+    FAILED (the Stalled reason, e.g. SecretNotFound) or why a RUNNING one waits
+    (the Reconciling reason, e.g. Unschedulable); `message` says what to do."""
+
     phase: StepPhase
     message: str = ""
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
 
     actions: list[StartStep] = []
     running: str | None = None
+    waiting_state = StepState(StepPhase.NOT_STARTED)
     for step in steps:
         state = observed.steps.get(step.id, StepState(StepPhase.NOT_STARTED))
         if state.phase == StepPhase.SUCCEEDED:
@@ -99,16 +105,17 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
             continue
         if state.phase == StepPhase.FAILED:
             message = f"{step.name} failed: {state.message}".strip()
-            cond(ConditionType.STALLED, True, f"{step.name.capitalize()}Failed", message)
+            reason = state.reason or f"{step.name.capitalize()}Failed"
+            cond(ConditionType.STALLED, True, reason, message)
             cond(ConditionType.RECONCILING, False, "Failed", message)
-            cond(ConditionType.READY, False, f"{step.name.capitalize()}Failed", message)
+            cond(ConditionType.READY, False, reason, message)
             if step.name == "fetch":
-                cond(ConditionType.DOWNLOADED, False, "FetchFailed", message)
-            cond(ConditionType.PREPARED, False, f"{step.name.capitalize()}Failed", message)
+                cond(ConditionType.DOWNLOADED, False, state.reason or "FetchFailed", message)
+            cond(ConditionType.PREPARED, False, reason, message)
             return _finish(status, conditions, generation, None, [], None)
         if state.phase == StepPhase.NOT_STARTED:
             actions.append(StartStep(step))
-        running = step.name
+        running, waiting_state = step.name, state
         break
 
     def clear_stalled() -> None:
@@ -119,10 +126,14 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
     if running is not None:
         clear_stalled()
         message = f"step {running} {'starting' if actions else 'running'}"
+        if waiting_state.message:
+            # Still in progress, but held up by something a human may want to see
+            # (an unschedulable pod, a retry after a failed attempt).
+            message += f": {waiting_state.message}"
         if running == "fetch":
             cond(ConditionType.DOWNLOADED, False, "Fetching", message)
         cond(ConditionType.PREPARED, False, "Preparing", message)
-        cond(ConditionType.RECONCILING, True, running.capitalize(), message)
+        cond(ConditionType.RECONCILING, True, waiting_state.reason or running.capitalize(), message)
         cond(ConditionType.READY, False, "Preparing", message)
         return _finish(status, conditions, generation, None, actions, running, requeue=2.0)
 
@@ -183,6 +194,22 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
     cond(ConditionType.READY, True, "Ready",
          "artifact prepared and verified" + ("; serving deployments rolled out" if refs else ""))
     return _finish(status, conditions, generation, facts, [], None)
+
+
+def blocked(status: ModelWeightsStatus | None, generation: int, reason: str, message: str) -> ModelWeightsStatus:
+    """The status when reconciling cannot proceed at all (a spec this build cannot
+    read, an API permission the operator lacks): Stalled, neither Ready nor
+    Reconciling. What was observed before (artifact, step conditions) is kept;
+    the next reconcile that gets through recomputes everything."""
+    status = (status or ModelWeightsStatus()).model_copy(deep=True)
+    conditions = list(status.conditions)
+    at = now()
+    for t, value in ((ConditionType.STALLED, True), (ConditionType.READY, False), (ConditionType.RECONCILING, False)):
+        conditions = set_condition(conditions, t, value, reason, message, generation, at)
+    status.conditions = sorted(conditions, key=lambda c: c.type)
+    status.observed_generation = generation
+    status.phase = phase_of(status.conditions, None)
+    return status
 
 
 def _finish(status: ModelWeightsStatus, conditions: list[Condition], generation: int, artifact: Artifact | None,

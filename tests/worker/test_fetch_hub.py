@@ -58,7 +58,7 @@ def test_fetch_pins_the_commit_and_verifies_hashes(tmp_path: Path) -> None:
 def test_unknown_revision_is_a_clear_error(tmp_path: Path) -> None:
     with FakeHub({REPO_ID: HubRepo(llama3_like())}) as hub:
         result = fetch_hf(hub, tmp_path, "--revision", "no-such-branch")
-    assert result.returncode == 1
+    assert result.returncode == 2  # the Hub's answer, not an accident: not retried
     assert "fetch failed" in result.stderr and "no-such-branch" in result.stderr
 
 
@@ -88,7 +88,7 @@ def test_hostile_name_in_the_listing_is_refused(tmp_path: Path) -> None:
     evil = {"rfilename": "../../../etc/cron.d/ferry", "size": 10, "blobId": "0" * 40}
     with FakeHub({REPO_ID: HubRepo(llama3_like(), extra_siblings=[evil])}) as hub:
         result = fetch_hf(hub, tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "refusing file name '../../../etc/cron.d/ferry'" in result.stderr
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
     assert not any("/resolve/" in r.path for r in hub.requests)  # refused before any download

@@ -193,7 +193,7 @@ def test_hostile_safetensors_header_is_refused(tmp_path: Path) -> None:
         {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}, b"\0" * 16)
     src, out = write_tree(tmp_path / "src", repo), tmp_path / "out"
     result = run_ferry("fetch", "--source", f"file://{src}", "--output", str(out))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "model-00002-of-00002.safetensors: tensor 'a': F32 shape [4] needs 16 bytes" in result.stderr
     assert not (out / MANIFEST_NAME).exists()
     assert not (out / "model-00002-of-00002.safetensors").exists()

@@ -117,7 +117,7 @@ def test_hostile_header_in_an_object(s3_server, s3_env, bucket: str, tmp_path: P
     upload_tree(s3_server.client(), bucket, "bad", {"config.json": b"{}", "model.safetensors": overlapping})
     out = tmp_path / "out"
     result = run_ferry("fetch", "--source", f"s3://{bucket}/bad", "--output", str(out), env=s3_env)
-    assert result.returncode == 1
+    assert result.returncode == 2  # bad input: a prepare Job does not retry it
     assert "model.safetensors: tensor 'b' [4, 12) overlaps" in result.stderr
     assert not (out / MANIFEST_NAME).exists() and not (out / "model.safetensors").exists()
 
@@ -142,7 +142,7 @@ def test_keys_escaping_the_output_are_refused(s3_memory_server, monkeypatch, tmp
 
 def test_empty_prefix_is_a_clear_error(s3_env, bucket: str, tmp_path: Path) -> None:
     result = run_ferry("fetch", "--source", f"s3://{bucket}/nothing-here", "--output", str(tmp_path / "o"), env=s3_env)
-    assert result.returncode == 1 and f"s3://{bucket}/nothing-here: no objects under this prefix" in result.stderr
+    assert result.returncode == 2 and f"s3://{bucket}/nothing-here: no objects under this prefix" in result.stderr
 
 
 def test_killed_mid_file_resumes_from_the_journaled_prefix(s3_server, s3_env, bucket: str, tmp_path: Path) -> None:

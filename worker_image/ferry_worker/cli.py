@@ -15,6 +15,18 @@ from .shard_cli import add_shard_commands
 
 log = logging.getLogger(__name__)
 
+# Exit statuses. A prepare Job's podFailurePolicy fails the Job at once on
+# EXIT_INPUT instead of retrying it (executors/jobs.py); argparse exits 2 on a
+# usage error too.
+EXIT_FAILED = 1  # may succeed on a retry: network, storage, a changed source, a crash
+EXIT_INPUT = 2  # the source, the checkpoint or the arguments are wrong: the same command fails again
+
+# Errors of huggingface_hub and S3 that are answers, not accidents (by class
+# name / error code, so this module imports neither SDK).
+_HUB_REFUSALS = {"RepositoryNotFoundError", "RevisionNotFoundError", "RemoteEntryNotFoundError", "DisabledRepoError"}
+_S3_REFUSALS = {"NoSuchBucket", "InvalidBucketName", "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId",
+                "SignatureDoesNotMatch"}
+
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
@@ -84,15 +96,39 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.INFO)
     try:
         status = args.run(args)
-    except Exception as e:  # noqa: BLE001 - every failure ends as one clear line and exit 1
+    except Exception as e:  # noqa: BLE001 - every failure ends as one clear line and exit 1 or 2
         log.debug("details", exc_info=True)
         message = f"{args.command} failed: {e if str(e) else type(e).__name__}"
         log.error("%s", message)
         report_result(message)
-        return 1
+        return EXIT_INPUT if is_input_error(e) else EXIT_FAILED
     if status == 0 and isinstance(getattr(args, "output", None), Path):
         report_result(json.dumps(step_result(args.output)))
     return status
+
+
+def is_input_error(error: BaseException) -> bool:
+    """Whether `error` (or what it wraps) says the input is wrong, so a retry would fail the same way."""
+    from .paths import UnsafePathError
+    from .safetensors_header import UnsafeSafetensorsError
+    from .selection import BadIndexError, NoWeightsError
+    from .shard_model import ShardError
+    from .sources.base import BadSourceError
+
+    deterministic = (BadSourceError, NoWeightsError, BadIndexError, UnsafePathError, UnsafeSafetensorsError, ShardError)
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, deterministic):
+            return True
+        if _HUB_REFUSALS & {c.__name__ for c in type(e).__mro__}:  # GatedRepoError is a RepositoryNotFoundError
+            return True
+        code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code") if type(e).__name__ == "ClientError" else None
+        if code in _S3_REFUSALS:
+            return True
+        e = e.__cause__
+    return False
 
 
 def step_result(directory: Path) -> dict:

@@ -66,6 +66,8 @@ class ModelWeightsStatus:
             PLURAL,
             self.name,
             {"status": {"progress": progress_status(snapshot)}},
+            # Named in managedFields: who wrote the progress is visible.
+            field_manager="ferry-worker",
             _content_type=MERGE_PATCH,
         )
 

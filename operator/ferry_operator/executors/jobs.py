@@ -21,6 +21,12 @@ SOURCE_MOUNT = "/source"
 RESULT_FILE = "/dev/termination-log"
 LABEL_MW = "ferry.dev/modelweights"
 LABEL_STEP = "ferry.dev/step"
+WORKER_CONTAINER = "worker"
+# The worker's exit status for input that is wrong (a bad source, no weights, a
+# checkpoint it cannot shard): the same command would fail again, so the Job
+# fails at once instead of retrying. ferry_worker.cli.EXIT_INPUT (a test keeps them equal).
+WORKER_EXIT_INPUT = 2
+BACKOFF_LIMIT = 3
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
     if mw.spec.source.credentials_secret_ref is not None:
         env_from.append({"secretRef": {"name": mw.spec.source.credentials_secret_ref.name}})
     container = {
-        "name": "worker",
+        "name": WORKER_CONTAINER,
         "image": settings.image,
         "command": ["ferry"],
         "args": argv,
@@ -146,7 +152,16 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
                      "annotations": {"ferry.dev/step-id": step.id}},
         "spec": {
             # Retries resume: complete files are kept, partial ones re-fetched.
-            "backoffLimit": 3,
+            "backoffLimit": BACKOFF_LIMIT,
+            # batch/v1 (GA since 1.31; needs restartPolicy Never): which pod failures count.
+            "podFailurePolicy": {"rules": [
+                # The worker rejected its input: fail the Job now, not after 3 retries with back-off.
+                {"action": "FailJob", "onExitCodes": {"containerName": WORKER_CONTAINER, "operator": "In",
+                                                      "values": [WORKER_EXIT_INPUT]}},
+                # Evicted, preempted, drained: not the worker's fault; retry without spending backoffLimit.
+                # (Crashes and OOM kills count against backoffLimit as usual.)
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]},
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }

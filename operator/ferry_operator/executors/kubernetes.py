@@ -1,11 +1,15 @@
 """The kubernetes executor: prepare steps as Jobs on a PVC (the Helm default).
 
-A thin adapter: the objects come from `jobs.py`; this only creates and reads
-them. Create calls tolerate 409 so a restarted operator converges.
+A thin adapter: the objects come from `jobs.py`, the reading of what the
+cluster says about them from `diagnosis.py`; this only creates and reads
+them. Create calls tolerate 409 so a restarted operator converges. Reads are
+the API's own JSON (no client models), which is what `diagnosis` takes.
+Any other API error, a 403 included, propagates: the handlers report it.
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Callable
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -13,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from ..api.types import ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
 from ..steps import Step
-from . import jobs
+from . import diagnosis, jobs
 
 
 def _create(fn, *args: Any) -> None:
@@ -24,12 +28,24 @@ def _create(fn, *args: Any) -> None:
             raise
 
 
+def _read(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """The object as the API serves it (JSON), or None if it does not exist."""
+    try:
+        response = fn(*args, _preload_content=False, **kwargs)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return json.loads(response.data)
+
+
 class KubernetesExecutor:
     def __init__(self, settings: jobs.WorkerSettings):
         self.settings = settings
         self.core = client.CoreV1Api()
         self.batch = client.BatchV1Api()
         self.rbac = client.RbacAuthorizationV1Api()
+        self.storage = client.StorageV1Api()
         self._identities: set[str] = set()
 
     def start(self, mw: ModelWeights, uid: str, step: Step) -> None:
@@ -44,36 +60,35 @@ class KubernetesExecutor:
             _create(self.core.create_namespaced_persistent_volume_claim, ns, pvc)
         _create(self.batch.create_namespaced_job, ns, jobs.job_manifest(mw, step, uid, self.settings))
 
-    def _pods(self, mw: ModelWeights, step: Step) -> list[Any]:
+    def _pods(self, mw: ModelWeights, step: Step) -> list[dict[str, Any]]:
         selector = f"job-name={jobs.job_name(mw, step)}"
-        return self.core.list_namespaced_pod(mw.metadata.namespace, label_selector=selector).items
+        listed = _read(self.core.list_namespaced_pod, mw.metadata.namespace, label_selector=selector)
+        return list((listed or {}).get("items") or [])
 
     def _messages(self, mw: ModelWeights, step: Step) -> list[str]:
         out = []
-        for pod in sorted(self._pods(mw, step), key=lambda p: p.metadata.creation_timestamp):
-            for cs in (pod.status.container_statuses or []):
-                term = cs.state.terminated if cs.state else None
-                if term is not None and term.message:
-                    out.append(term.message.strip())
+        pods = self._pods(mw, step)
+        for pod in sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                term = (cs.get("state") or {}).get("terminated") or {}
+                if term.get("message"):
+                    out.append(term["message"].strip())
         return out
 
     def observe(self, mw: ModelWeights, step: Step) -> StepState:
-        try:
-            job = self.batch.read_namespaced_job(jobs.job_name(mw, step), mw.metadata.namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return StepState(StepPhase.NOT_STARTED)
-            raise
-        for cond in job.status.conditions or []:
-            if cond.status != "True":
-                continue
-            if cond.type == "Complete":
-                return StepState(StepPhase.SUCCEEDED)
-            if cond.type == "Failed":
-                messages = self._messages(mw, step)
-                detail = messages[-1].splitlines()[-1] if messages else cond.message or cond.reason
-                return StepState(StepPhase.FAILED, f"{cond.reason}: {detail}")
-        return StepState(StepPhase.RUNNING)
+        ns = mw.metadata.namespace
+        job = _read(self.batch.read_namespaced_job, jobs.job_name(mw, step), ns)
+        if job is None:
+            return StepState(StepPhase.NOT_STARTED)
+        if any(c.get("type") == "Complete" and c.get("status") == "True"
+               for c in (job.get("status") or {}).get("conditions") or []):
+            return StepState(StepPhase.SUCCEEDED)
+        pods = self._pods(mw, step)
+        claims = {name: _read(self.core.read_namespaced_persistent_volume_claim, name, ns)
+                  for name in diagnosis.claims_to_read(job, pods)}
+        classes = {name: _read(self.storage.read_storage_class, name) is not None
+                   for name in diagnosis.storage_classes_to_check(claims)}
+        return diagnosis.diagnose(job, pods, claims, classes)
 
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
         for message in reversed(self._messages(mw, last)):

@@ -10,20 +10,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .base import DownloadSource, RangedSource, RemoteFile, Source, SourceError
+from .base import BadSourceError, DownloadSource, RangedSource, RemoteFile, Source, SourceError
 from .local import LocalSource
 
 # Where a prepare Job mounts the claim of a pvc:// source (claim name below it).
 DEFAULT_PVC_ROOT = "/mnt/ferry/source"
 
-__all__ = ["DownloadSource", "RangedSource", "RemoteFile", "Source", "SourceError", "open_source", "pvc_path"]
+__all__ = ["BadSourceError", "DownloadSource", "RangedSource", "RemoteFile", "Source", "SourceError", "open_source", "pvc_path"]
 
 
 def pvc_path(uri: str) -> Path:
     """The local path of pvc://claim/path inside a Job: $FERRY_PVC_ROOT/claim/path."""
     claim, _, sub = uri[len("pvc://"):].partition("/")
     if not claim or ".." in sub.split("/"):
-        raise SourceError(f"{uri}: expected pvc://claim/path without '..'")
+        raise BadSourceError(f"{uri}: expected pvc://claim/path without '..'")
     return Path(os.environ.get("FERRY_PVC_ROOT", DEFAULT_PVC_ROOT), claim, sub)
 
 
@@ -31,11 +31,11 @@ def open_source(uri: str, *, revision: str | None, staging: Path, max_connection
     """The source for `uri`. `staging` is a scratch directory on the output's filesystem."""
     scheme = uri.partition("://")[0]
     if revision is not None and scheme != "hf":
-        raise SourceError(f"{uri}: --revision applies to hf:// sources only")
+        raise BadSourceError(f"{uri}: --revision applies to hf:// sources only")
     if scheme == "file":
         path = Path(uri[len("file://"):])
         if not path.is_absolute():
-            raise SourceError(f"{uri}: file:// needs an absolute path (file:///path)")
+            raise BadSourceError(f"{uri}: file:// needs an absolute path (file:///path)")
         return LocalSource(path, uri)
     if scheme == "pvc":
         return LocalSource(pvc_path(uri), uri)
@@ -47,7 +47,7 @@ def open_source(uri: str, *, revision: str | None, staging: Path, max_connection
     if scheme == "hf":
         repo_id = uri[len("hf://"):].strip("/")
         if repo_id.count("/") != 1:
-            raise SourceError(f"{uri}: expected hf://org/name")
+            raise BadSourceError(f"{uri}: expected hf://org/name")
         from huggingface_hub import constants
 
         from .hub import HubSource, offline_snapshot
@@ -55,4 +55,4 @@ def open_source(uri: str, *, revision: str | None, staging: Path, max_connection
         if constants.HF_HUB_OFFLINE:
             return offline_snapshot(repo_id, revision or "main", uri)
         return HubSource(repo_id, revision or "main", uri, staging)
-    raise SourceError(f"{uri}: unsupported source (expected hf://, s3://, file:// or pvc://)")
+    raise BadSourceError(f"{uri}: unsupported source (expected hf://, s3://, file:// or pvc://)")

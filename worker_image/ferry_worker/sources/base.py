@@ -34,6 +34,10 @@ class SourceError(Exception):
     """The source failed or contradicted itself (changed object, short read, ...)."""
 
 
+class BadSourceError(SourceError):
+    """The source as given cannot work (a malformed URI, nothing there): retrying the same fetch cannot help."""
+
+
 class Source(ABC):
     uri: str
     # What the manifest records as the revision: a Hub commit, or None.

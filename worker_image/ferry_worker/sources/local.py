@@ -16,7 +16,7 @@ from typing import Iterator
 
 from ..manifest import MANIFEST_NAME
 from ..paths import safe_relative_path
-from .base import RangedSource, RemoteFile, SourceError
+from .base import BadSourceError, RangedSource, RemoteFile, SourceError
 
 
 class LocalSource(RangedSource):
@@ -27,7 +27,7 @@ class LocalSource(RangedSource):
 
     def list_files(self) -> list[RemoteFile]:
         if not self.root.is_dir():
-            raise SourceError(f"{self.uri}: {self.root} is not a directory")
+            raise BadSourceError(f"{self.uri}: {self.root} is not a directory")
         advertised = self._manifest_digests()
         files = []
         for dirpath, dirnames, filenames in os.walk(self.root):

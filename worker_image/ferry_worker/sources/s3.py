@@ -32,7 +32,7 @@ from botocore.exceptions import ClientError, IncompleteReadError, ResponseStream
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ..paths import safe_relative_path
-from .base import RangedSource, RemoteFile, SourceError
+from .base import BadSourceError, RangedSource, RemoteFile, SourceError
 
 _MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
 _KMS = {"aws:kms", "aws:kms:dsse"}
@@ -69,7 +69,7 @@ class S3Source(RangedSource):
         rest = uri[len("s3://"):]
         bucket, _, prefix = rest.partition("/")
         if not bucket:
-            raise SourceError(f"{uri}: no bucket")
+            raise BadSourceError(f"{uri}: no bucket")
         if prefix and not prefix.endswith("/"):
             prefix += "/"  # s3://b/llama must not match s3://b/llama-2/...
         return cls(bucket, prefix, uri, s3_client(max_connections + HEAD_WORKERS))
@@ -83,7 +83,7 @@ class S3Source(RangedSource):
                     continue  # a "folder" marker, not a file
                 listed.append((safe_relative_path(key[len(self.prefix):], origin=self.uri), obj))
         if not listed:
-            raise SourceError(f"{self.uri}: no objects under this prefix")
+            raise BadSourceError(f"{self.uri}: no objects under this prefix")
         with ThreadPoolExecutor(HEAD_WORKERS) as pool:
             return list(pool.map(lambda item: self._describe(*item), listed))
 

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""`make demo-cluster`: the production path on one machine.
+
+1. the local cluster with its real node (kubelet + containerd + runc + CNI,
+   dynamic local-path claims) beside kwok's fake GPU node;
+2. Ferry's image built here (no Docker, no registry) and imported into the node;
+3. an S3 server on the node's bridge address holding a generated checkpoint;
+4. `helm install` of the chart: the operator runs as a pod under the chart's
+   ServiceAccount, executor `kubernetes`;
+5. a ModelWeights (sharded_state, tensor-parallel 2, source in S3) for a vLLM
+   Deployment on the GPU node: real Jobs fetch and pre-shard into a real
+   claim, the worker reports progress from inside its pod, the Deployment is
+   wired; Ready. `ferry verify` re-checks the artifact from the host.
+
+The cluster, the operator and the S3 server keep running afterwards
+(`export KUBECONFIG=$PWD/.ferry/kubeconfig`); `make cluster-down` stops all of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "e2e"))
+sys.path.insert(0, str(REPO / "e2e" / "s3"))
+sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
+import localcluster  # noqa: E402
+import localnode  # noqa: E402
+import s3server  # noqa: E402
+from demo import DEMO_LLAMA, kubectl, step  # noqa: E402
+from shard_checkpoints import write_checkpoint  # noqa: E402
+
+NAMESPACE = "ferry-demo-cluster"
+RELEASE, RELEASE_NAMESPACE = "ferry", "ferry-system"
+STATE = localcluster.STATE / "demo-cluster"
+BIN = Path(sys.executable).parent
+BUCKET = "models"
+
+
+def helm(*args: str) -> None:
+    print("$ helm " + " ".join(args), flush=True)
+    subprocess.run([str(localcluster.binaries() / "helm"), "--kubeconfig", str(localcluster.KUBECONFIG), *args],
+                   check=True)
+
+
+def s3_server() -> s3server.S3Server:
+    """An S3 server pods can reach, recorded with the cluster so `make cluster-down` stops it."""
+    server = s3server.S3Server(STATE / "s3", host=localnode.NODE_IP)
+    pids_file = localcluster.Cluster().pids_file
+    pids = json.loads(pids_file.read_text())
+    if "demo-s3" in pids and localcluster._alive(pids["demo-s3"]):
+        server.endpoint = json.loads((STATE / "s3.json").read_text())["endpoint"]
+        return server
+    server.start()
+    pids["demo-s3"] = server._process.pid
+    pids_file.write_text(json.dumps(pids))
+    (STATE / "s3.json").write_text(json.dumps({"endpoint": server.endpoint}))
+    return server
+
+
+def deployment() -> dict:
+    labels = {"app": "tiny-llama-vllm"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "tiny-llama-vllm", "namespace": NAMESPACE},
+            "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{
+                    "name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                    "args": ["--max-model-len", "4096", "--dtype", "bfloat16"],
+                    # Requesting GPUs is what sends it to the (kwok) GPU node.
+                    "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}}
+
+
+def modelweights() -> dict:
+    return {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+            "metadata": {"name": "tiny-llama", "namespace": NAMESPACE},
+            "spec": {"source": {"uri": f"s3://{BUCKET}/tiny-llama", "credentialsSecretRef": {"name": "s3-credentials"}},
+                     "storage": {"pvc": {"size": "1Gi"}},
+                     "format": {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"},
+                     "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}]}}}
+
+
+def watch_until_ready(timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        row = kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "--no-headers", quiet=True).strip()
+        jobs = kubectl("get", "jobs", "-n", NAMESPACE, "--no-headers", quiet=True, check=False).strip()
+        view = f"{row}\n{jobs}"
+        if view != last:
+            print("  mw:   " + row + "".join(f"\n  job:  {j}" for j in jobs.splitlines() if j), flush=True)
+            last = view
+        status = json.loads(kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "-o", "json", quiet=True)).get(
+            "status", {})
+        conds = {c["type"]: c for c in status.get("conditions", [])}
+        if conds.get("Ready", {}).get("status") == "True":
+            return status
+        if conds.get("Stalled", {}).get("status") == "True":
+            raise SystemExit(f"stalled: {conds['Stalled']['reason']}: {conds['Stalled']['message']}")
+        time.sleep(1)
+    raise SystemExit("timed out waiting for Ready")
+
+
+def main() -> None:
+    STATE.mkdir(parents=True, exist_ok=True)
+    step("The local cluster: control plane, a real node (containerd://) and kwok's GPU node")
+    localcluster.Cluster().up()
+    kubectl("get", "nodes", "-o", "wide")
+    step("Ferry's image, built here (Debian root filesystem + a virtualenv; no Docker, no registry)")
+    images = localcluster.built_images()
+    localcluster.import_images(localnode.Node(localcluster.node_paths()), images)
+    ref = images["ferry"]["ref"]
+    print(f"  {ref}")
+
+    step("An S3 server on the node's bridge address, holding a generated Llama-3-shaped checkpoint")
+    s3 = s3_server()
+    source = STATE / "checkpoints" / "tiny-llama"
+    if not (source / "config.json").exists():
+        write_checkpoint(source, DEMO_LLAMA)
+    client = s3.client()
+    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=BUCKET)
+    for f in sorted(source.iterdir()):
+        client.upload_file(str(f), BUCKET, f"tiny-llama/{f.name}")
+        print(f"  s3://{BUCKET}/tiny-llama/{f.name:35s} {f.stat().st_size:>12,d} bytes")
+    print(f"  endpoint {s3.endpoint}")
+
+    step("helm install: the operator as a pod under the chart's ServiceAccount (executor: kubernetes)")
+    repository, _, tag = ref.rpartition(":")
+    kubectl("create", "namespace", NAMESPACE, check=False, quiet=True)
+    helm("upgrade", "--install", RELEASE, str(REPO / "charts" / "ferry"), "--namespace", RELEASE_NAMESPACE,
+         "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+         "--set", "image.pullPolicy=Never", "--set", f"operator.watchNamespaces={{{NAMESPACE}}}",
+         "--set", "operator.resources.requests.cpu=50m",
+         "--set-json", 'worker.resources={"requests":{"cpu":"250m","memory":"256Mi"},"limits":{"memory":"1Gi"}}',
+         "--wait", "--timeout", "180s")
+    kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide")
+
+    step("The credentials Secret, a vLLM Deployment (GPU node) and a ModelWeights for it")
+    kubectl("apply", "-f", "-", quiet=True, input=json.dumps({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials", "namespace": NAMESPACE},
+        "stringData": s3.env()}))
+    kubectl("apply", "-f", "-", input=json.dumps(deployment()))
+    kubectl("apply", "-f", "-", input=json.dumps(modelweights()))
+
+    step("Real Jobs on the real node: fetch -> verify -> pre-shard -> wire (kubectl get mw, jobs)")
+    status = watch_until_ready()
+    print(json.dumps(status["artifact"], indent=2))
+    kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide")
+    kubectl("get", "pvc", "-n", NAMESPACE)
+
+    step("The artifact on the claim, re-verified from the host")
+    claim, _, path = status["artifact"]["uri"].removeprefix("pvc://").partition("/")
+    pvc = json.loads(kubectl("get", "pvc", claim, "-n", NAMESPACE, "-o", "json", quiet=True))
+    pv = json.loads(kubectl("get", "pv", pvc["spec"]["volumeName"], "-o", "json", quiet=True))
+    artifact = Path((pv["spec"].get("hostPath") or pv["spec"]["local"])["path"]) / path
+    for f in sorted(artifact.iterdir()):
+        print(f"  {f.name:45s} {f.stat().st_size:>12,d} bytes")
+    subprocess.run([str(BIN / "ferry"), "verify", str(artifact)], check=True)
+    print(f"\nDone. The cluster, the operator and the S3 server keep running:\n"
+          f"  export KUBECONFIG={localcluster.KUBECONFIG}; kubectl get mw -n {NAMESPACE}\n"
+          "Stop everything with `make cluster-down`.")
+
+
+if __name__ == "__main__":
+    os.umask(0o022)
+    main()

@@ -1,0 +1,1 @@
+"""Ferry's container images built without Docker (see build.py and docs/images.md)."""

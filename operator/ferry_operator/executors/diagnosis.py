@@ -1,0 +1,424 @@
+"""Why a prepare Job is not making progress, told from what the API server holds. Pure.
+
+The kubernetes executor reads a step's Job, its pods, the claims the pods mount
+and whether a Pending claim's StorageClass exists, as the API serves them
+(plain JSON dicts), and `diagnose` turns that into the StepState the planner
+maps to conditions:
+
+- FAILED, with a reason, when a human has to act: a Secret that does not
+  exist, an image the node cannot get, a claim that cannot be provisioned, a
+  worker that failed for good. Except for a Job that has itself failed, these
+  are read from live state: once the cause is fixed (the Secret created, the
+  StorageClass added) the kubelet or the scheduler carries on by itself and
+  the next observation reports the step running again. A failed Job stays
+  failed until it is deleted; the operator then starts it afresh.
+- RUNNING, with a reason and a message, when the step waits on something that
+  may resolve by itself (an unschedulable pod, an image pull being retried, a
+  retry after a failed attempt): the planner shows it as the Reconciling
+  message.
+
+Messages name the object, quote the kubelet's or scheduler's own words, and
+say which spec field or chart value to look at.
+"""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta, timezone
+from typing import Any, Mapping
+
+from ..planner import StepPhase, StepState
+from .jobs import LABEL_MW, LABEL_STEP, WORKER_CONTAINER
+
+# Reasons (condition reasons: CamelCase).
+SECRET_NOT_FOUND = "SecretNotFound"
+CONTAINER_CONFIG_ERROR = "ContainerConfigError"
+IMAGE_NOT_FOUND = "ImageNotFound"  # not on the node (pull policy Never), or the registry says no such image / no access
+IMAGE_PULL_FAILED = "ImagePullFailed"  # pulls kept failing for another reason (network, registry down)
+IMAGE_PULL_BACK_OFF = "ImagePullBackOff"  # (waiting) a failed pull the kubelet retries
+INVALID_IMAGE_NAME = "InvalidImageName"
+CLAIM_NOT_FOUND = "PersistentVolumeClaimNotFound"
+CLAIM_LOST = "PersistentVolumeClaimLost"
+CLAIM_PENDING = "PersistentVolumeClaimPending"  # (waiting)
+STORAGE_CLASS_NOT_FOUND = "StorageClassNotFound"
+UNSCHEDULABLE = "Unschedulable"  # (waiting)
+CONTAINER_CREATING = "ContainerCreateError"  # (waiting) the kubelet retries creating the container
+POD_NOT_CREATED = "PodNotCreated"  # (waiting) the Job controller made no pod
+RETRYING = "Retrying"  # (waiting) an attempt failed; the Job retries
+WORKER_FAILED = "WorkerFailed"
+FORBIDDEN = "Forbidden"
+
+# A claim's binding is usually immediate (a matching static PersistentVolume
+# binds even when its StorageClass object does not exist), so a missing class
+# only counts once the claim has been Pending this long.
+CLAIM_GRACE = timedelta(seconds=5)
+# A pull that fails without a definite answer from the registry (timeouts,
+# DNS, a registry that is down) is retried by the kubelet with back-off (10s,
+# 20s, 40s, ...): about four attempts fit in this.
+IMAGE_PULL_GRACE = timedelta(seconds=60)
+# The Job controller creates a pod within a second; one that made none this
+# long was refused (quota, PodSecurity, a missing ServiceAccount: see its events).
+POD_CREATE_GRACE = timedelta(seconds=30)
+
+# The pod volumes jobs.py mounts, by the spec field that names their claim.
+CLAIM_FIELDS = {"weights": "spec.storage.pvc", "source": "spec.source.uri"}
+SECRET_FIELD = "spec.source.credentialsSecretRef"
+IMAGE_VALUES = "the chart's worker.image value (default: image.repository:image.tag)"
+NODE_VALUES = "the chart's worker.nodeSelector, worker.tolerations and worker.resources values"
+MAX_LINE = 500
+
+# The registry answered: no such image or tag, or no access to it. Retrying will not change that.
+_REGISTRY_REFUSED = re.compile(
+    r"code = NotFound|: not found|manifest unknown|name unknown|repository does not exist|pull access denied|"
+    r"unauthorized|authentication required|authorization failed|insufficient_scope|\bdenied\b|403 Forbidden",
+    re.IGNORECASE,
+)
+_UNBOUND = "pod has unbound immediate PersistentVolumeClaims"  # the scheduler's VolumeBinding plugin
+_NOT_FOUND = re.compile(r'^(secret|configmap) "([^"]+)" not found$')
+_RBAC_DENIED = re.compile(
+    r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]+)" in API group "(?P<group>[^"]*)"'
+    r'(?: in the namespace "(?P<namespace>[^"]+)"| at the cluster scope)'
+)
+
+
+def _time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _since(text: str | None, now: datetime) -> timedelta:
+    at = _time(text)
+    return now - at if at is not None else timedelta(0)
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def _status(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("status") or {}
+
+
+def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {c.get("type"): c for c in _status(obj).get("conditions") or []}
+
+
+def _true(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    c = _conditions(obj).get(type_)
+    return c if c is not None and c.get("status") == "True" else None
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
+
+
+def _pod_template(job: Mapping[str, Any]) -> Mapping[str, Any]:
+    return ((job.get("spec") or {}).get("template") or {}).get("spec") or {}
+
+
+def _phase(pod: Mapping[str, Any]) -> str:
+    return _status(pod).get("phase") or "Pending"
+
+
+def _ordered(pods: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(pods, key=lambda p: (_meta(p).get("creationTimestamp") or "", _meta(p).get("name") or ""))
+
+
+def _live(pods: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [p for p in pods if _phase(p) not in ("Succeeded", "Failed") and not _meta(p).get("deletionTimestamp")]
+
+
+def _scheduled(pod: Mapping[str, Any]) -> bool:
+    return bool((pod.get("spec") or {}).get("nodeName")) or _true(pod, "PodScheduled") is not None
+
+
+def claim_names(job: Mapping[str, Any]) -> list[str]:
+    """The claims a Job's pods mount, in the template's order."""
+    return [v["persistentVolumeClaim"]["claimName"] for v in _pod_template(job).get("volumes") or []
+            if v.get("persistentVolumeClaim")]
+
+
+def claims_to_read(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> list[str]:
+    """The claims worth reading: only while no pod of an unfinished Job has been scheduled
+    (a scheduled pod's claims are bound)."""
+    if _true(job, "Complete") or _true(job, "Failed") or _true(job, "FailureTarget"):
+        return []
+    if any(_scheduled(p) for p in _live(pods)):
+        return []
+    return claim_names(job)
+
+
+def storage_classes_to_check(claims: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """The StorageClasses of Pending claims, whose existence `diagnose` needs."""
+    names = []
+    for claim in claims.values():
+        if claim is None or _status(claim).get("phase", "Pending") != "Pending":
+            continue
+        name = (claim.get("spec") or {}).get("storageClassName")
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def diagnose(job: Mapping[str, Any], pods: list[Mapping[str, Any]],
+             claims: Mapping[str, Mapping[str, Any] | None] | None = None,
+             storage_classes: Mapping[str, bool] | None = None, now: datetime | None = None) -> StepState:
+    """The step's state from its Job (as the API serves it), the Job's pods, the
+    claims read (name -> the claim, or None: it does not exist; a claim not read
+    is simply absent) and whether StorageClasses exist (name -> bool)."""
+    now = now or datetime.now(timezone.utc)
+    claims = claims or {}
+    storage_classes = storage_classes or {}
+    pods = _ordered(pods)
+    failed = [p for p in pods if _phase(p) == "Failed"]
+
+    if _true(job, "Complete"):
+        return StepState(StepPhase.SUCCEEDED)
+    for type_ in ("Failed", "FailureTarget"):  # FailureTarget: failed, its pods still terminating
+        cond = _true(job, type_)
+        if cond is not None:
+            return _job_failed(job, cond, failed)
+
+    live = _live(pods)
+    current = live[-1] if live else None
+    if current is not None:
+        state = _container_problem(job, current, now)
+        if state is not None and state.phase == StepPhase.FAILED:
+            return state
+        if not _scheduled(current):
+            claim = _claim_problem(job, claims, storage_classes, now)
+            if claim is not None and claim.phase == StepPhase.FAILED:
+                return claim
+            unscheduled = _unscheduled(current)
+            # A claim waiting for its volume explains "unbound immediate PersistentVolumeClaims"; for
+            # any other reason (a claim that waits for its first consumer included) the scheduler's words do.
+            if unscheduled is not None and (claim is None or _UNBOUND not in unscheduled.message):
+                return unscheduled
+            state = claim or unscheduled or state
+        if state is not None:
+            return state
+    elif not failed:
+        state = _claim_problem(job, claims, storage_classes, now)
+        if state is not None:
+            return state
+        if not pods and _since(_meta(job).get("creationTimestamp"), now) >= POD_CREATE_GRACE:
+            ns, name = _meta(job).get("namespace"), _meta(job).get("name")
+            return StepState(StepPhase.RUNNING, reason=POD_NOT_CREATED, message=(
+                f"Job {ns}/{name} has created no pod for {int(_since(_meta(job).get('creationTimestamp'), now).total_seconds())}s: "
+                f"see its events (kubectl describe job -n {ns} {name}): a ResourceQuota, PodSecurity or a "
+                "missing ServiceAccount can refuse its pods"))
+    if failed:
+        limit = (job.get("spec") or {}).get("backoffLimit")
+        of = f" of {limit + 1}" if isinstance(limit, int) else ""
+        running = "running" if current is not None else "pending"
+        return StepState(StepPhase.RUNNING, reason=RETRYING, message=(
+            f"attempt {len(failed)}{of} failed: {_pod_failure(job, failed[-1])}; attempt {len(failed) + 1} {running}"))
+    return StepState(StepPhase.RUNNING)
+
+
+def _job_failed(job: Mapping[str, Any], cond: Mapping[str, Any], failed: list[Mapping[str, Any]]) -> StepState:
+    ns, name = _meta(job).get("namespace"), _meta(job).get("name")
+    retry = f"fix the cause, then delete Job {ns}/{name} to run the step again"
+    reason = cond.get("reason") or ""
+    if not failed:
+        detail = cond.get("message") or reason or "the Job failed"
+        return StepState(StepPhase.FAILED, f"{detail} ({retry})", reason=WORKER_FAILED)
+    what = _pod_failure(job, failed[-1])
+    if reason == "PodFailurePolicy":
+        how = "the worker rejected its input, so the Job did not retry"
+    elif reason == "BackoffLimitExceeded":
+        how = f"all {len(failed)} attempts failed" if len(failed) > 1 else "the attempt failed"
+    else:
+        how = cond.get("message") or reason
+    return StepState(StepPhase.FAILED, f"{what}; {how}; {retry}", reason=WORKER_FAILED)
+
+
+def _worker_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    statuses = list(_status(pod).get("containerStatuses") or [])
+    return next((s for s in statuses if s.get("name") == WORKER_CONTAINER), statuses[0] if statuses else None)
+
+
+def _pod_failure(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
+    """One line: why this pod failed, in the worker's own words where it left any."""
+    ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
+    status = _status(pod)
+    if status.get("reason"):  # Evicted, DeadlineExceeded, NodeLost, ...: the node or the control plane ended it
+        return f"pod {ns}/{name} {status['reason']}: {_last_line(status.get('message')) or 'no message'}"
+    cs = _worker_status(pod) or {}
+    term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+    disrupted = _true(pod, "DisruptionTarget")
+    if term:
+        code, why = term.get("exitCode"), term.get("reason") or ""
+        line = _worker_words(job, term.get("message"))
+        if why == "OOMKilled":
+            return (f"the worker ran out of memory (OOMKilled, exit code {code}): raise the chart's "
+                    "worker.resources.limits.memory")
+        if disrupted is not None:
+            return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {disrupted.get('message', '')})"
+        if why in ("StartError", "ContainerCannotRun"):  # the runtime could not start the command
+            return (f"the worker container could not start ({why}, exit code {code}): {line or 'no message'}; "
+                    f"check {IMAGE_VALUES}")
+        if line:
+            return f"{line} (exit code {code})"
+        return f"the worker exited with code {code}" + (f" ({why})" if why else "")
+    if disrupted is not None:
+        return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {disrupted.get('message', '')})"
+    return f"pod {ns}/{name} failed: {_last_line(status.get('message')) or 'no message'}"
+
+
+def _worker_words(job: Mapping[str, Any], message: str | None) -> str:
+    """The worker's error from a termination message: its own report ("<step> failed: ...", which
+    may span lines: an SDK's error) as one line, or else (a crash: the log tail) the last line."""
+    step = (_meta(job).get("labels") or {}).get(LABEL_STEP)
+    text = (message or "").strip()
+    if step and text.startswith(f"{step} failed: "):
+        # The planner says "<step> failed: " already.
+        line = " ".join(text[len(step) + len(" failed: "):].split())
+        return line if len(line) <= 2 * MAX_LINE else line[: 2 * MAX_LINE - 3] + "..."
+    return _last_line(text)
+
+
+def _image_of(pod: Mapping[str, Any], container: str, status: Mapping[str, Any]) -> str:
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") == container:
+            return c.get("image") or status.get("image") or "?"
+    return status.get("image") or "?"
+
+
+def _container_problem(job: Mapping[str, Any], pod: Mapping[str, Any], now: datetime) -> StepState | None:
+    """What keeps a scheduled pod's container from starting, if anything."""
+    ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
+    node = (pod.get("spec") or {}).get("nodeName") or "?"
+    st = _status(pod)
+    for cs in list(st.get("initContainerStatuses") or []) + list(st.get("containerStatuses") or []):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        why, text = waiting.get("reason") or "", (waiting.get("message") or "").strip()
+        image = _image_of(pod, cs.get("name", ""), cs)
+        if why == "CreateContainerConfigError":
+            return _config_error(job, pod, text)
+        if why == "ErrImageNeverPull":
+            return StepState(StepPhase.FAILED, reason=IMAGE_NOT_FOUND, message=(
+                f'image "{image}" is not on node {node} and its pull policy is Never: load it onto the node, '
+                f"or set {IMAGE_VALUES} to an image the node has (kubelet: {text})"))
+        if why == "InvalidImageName":
+            return StepState(StepPhase.FAILED, reason=INVALID_IMAGE_NAME, message=(
+                f'image "{image}" is not a valid image reference: fix {IMAGE_VALUES} (kubelet: {text})'))
+        if why in ("ErrImagePull", "ImagePullBackOff", "RegistryUnavailable", "SignatureValidationFailed",
+                   "ImageInspectError"):
+            tried = _since(st.get("startTime") or _meta(pod).get("creationTimestamp"), now)
+            if why == "SignatureValidationFailed" or _REGISTRY_REFUSED.search(text):
+                return StepState(StepPhase.FAILED, reason=IMAGE_NOT_FOUND, message=(
+                    f'image "{image}" cannot be pulled on node {node}: check {IMAGE_VALUES} '
+                    f"(kubelet: {_last_line(text)})"))
+            if tried >= IMAGE_PULL_GRACE:
+                return StepState(StepPhase.FAILED, reason=IMAGE_PULL_FAILED, message=(
+                    f'image "{image}" could not be pulled on node {node} for {int(tried.total_seconds())}s: '
+                    f"check {IMAGE_VALUES} and the node's access to the registry (kubelet: {_last_line(text)})"))
+            return StepState(StepPhase.RUNNING, reason=IMAGE_PULL_BACK_OFF, message=(
+                f'pulling image "{image}" on node {node} failed, the kubelet retries: {_last_line(text)}'))
+        if why in ("CreateContainerError", "PreCreateHookError", "PreStartHookError", "RunContainerError"):
+            return StepState(StepPhase.RUNNING, reason=CONTAINER_CREATING, message=(
+                f"pod {ns}/{name} cannot create its container yet, the kubelet retries: {_last_line(text)}"))
+    return None
+
+
+def _config_error(job: Mapping[str, Any], pod: Mapping[str, Any], text: str) -> StepState:
+    ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
+    found = _NOT_FOUND.match(text)
+    if found is None:
+        # e.g. "failed to sync secret cache: timed out waiting for the condition": the kubelet retries.
+        return StepState(StepPhase.RUNNING, reason=CONTAINER_CONFIG_ERROR, message=(
+            f"pod {ns}/{name} cannot configure its container yet, the kubelet retries: {_last_line(text)}"))
+    kind, missing = found.groups()
+    if kind == "configmap":
+        return StepState(StepPhase.FAILED, reason=CONTAINER_CONFIG_ERROR, message=(
+            f"ConfigMap {ns}/{missing} referenced by pod {ns}/{name} does not exist (kubelet: {text})"))
+    refs = []
+    for c in _pod_template(job).get("containers") or []:
+        refs += [e["secretRef"]["name"] for e in c.get("envFrom") or [] if e.get("secretRef")]
+    if missing in refs:
+        return StepState(StepPhase.FAILED, reason=SECRET_NOT_FOUND, message=(
+            f"Secret {ns}/{missing} ({SECRET_FIELD}) does not exist: create it in namespace {ns}, "
+            f"or fix {SECRET_FIELD} (kubelet: {text})"))
+    return StepState(StepPhase.FAILED, reason=SECRET_NOT_FOUND, message=(
+        f"Secret {ns}/{missing} referenced by pod {ns}/{name} does not exist (kubelet: {text})"))
+
+
+def _claim_problem(job: Mapping[str, Any], claims: Mapping[str, Mapping[str, Any] | None],
+                   storage_classes: Mapping[str, bool], now: datetime) -> StepState | None:
+    """What keeps the Job's claims from binding, if anything (and if they were read)."""
+    ns = _meta(job).get("namespace")
+    waiting: StepState | None = None
+    for volume in _pod_template(job).get("volumes") or []:
+        ref = volume.get("persistentVolumeClaim")
+        if not ref or ref["claimName"] not in claims:
+            continue
+        name, claim = ref["claimName"], claims[ref["claimName"]]
+        field = CLAIM_FIELDS.get(volume.get("name"), "the Job's volumes")
+        if claim is None:
+            return StepState(StepPhase.FAILED, reason=CLAIM_NOT_FOUND, message=(
+                f"PersistentVolumeClaim {ns}/{name} ({field}) does not exist: create it, or fix {field}"))
+        phase = _status(claim).get("phase", "Pending")
+        if phase == "Lost":
+            volume_name = (claim.get("spec") or {}).get("volumeName") or "?"
+            return StepState(StepPhase.FAILED, reason=CLAIM_LOST, message=(
+                f"PersistentVolumeClaim {ns}/{name} ({field}) is Lost: its PersistentVolume {volume_name} "
+                "no longer exists"))
+        if phase != "Pending":
+            continue
+        sc = (claim.get("spec") or {}).get("storageClassName")
+        ours = LABEL_MW in (_meta(claim).get("labels") or {})
+        if sc and storage_classes.get(sc) is False and _since(_meta(claim).get("creationTimestamp"), now) >= CLAIM_GRACE:
+            if ours:
+                hint = (f'create StorageClass "{sc}", or delete the ModelWeights and PersistentVolumeClaim {ns}/{name} '
+                        "and recreate it with a storageClassName that exists (kubectl get storageclass)")
+                where = "spec.storage.pvc.storageClassName"
+            else:
+                hint = f'create StorageClass "{sc}", or give {field} a claim that can bind'
+                where = f"the claim's spec.storageClassName, named by {field}"
+            return StepState(StepPhase.FAILED, reason=STORAGE_CLASS_NOT_FOUND, message=(
+                f'PersistentVolumeClaim {ns}/{name} is Pending: StorageClass "{sc}" does not exist ({where}); {hint}'))
+        if waiting is None:
+            why = (f'waiting for a volume of StorageClass "{sc}"' if sc else
+                   "it names no StorageClass and no PersistentVolume matches it yet")
+            waiting = StepState(StepPhase.RUNNING, reason=CLAIM_PENDING,
+                                message=f"PersistentVolumeClaim {ns}/{name} ({field}) is Pending: {why}")
+    return waiting
+
+
+def _unscheduled(pod: Mapping[str, Any]) -> StepState | None:
+    cond = _conditions(pod).get("PodScheduled")
+    if cond is None or cond.get("status") != "False":
+        return None
+    ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
+    return StepState(StepPhase.RUNNING, reason=cond.get("reason") or UNSCHEDULABLE, message=(
+        f"pod {ns}/{name} cannot be scheduled: {_last_line(cond.get('message')) or cond.get('reason')} "
+        f"(check {NODE_VALUES})"))
+
+
+def forbidden(body: str | bytes | None, fallback: str = "") -> str:
+    """A human's message for a 403 from the API server: who may not do what, and where to grant it."""
+    text = fallback
+    try:
+        status = json.loads(body) if body else {}
+        text = status.get("message") or text
+    except (ValueError, AttributeError):
+        pass
+    denied = _RBAC_DENIED.search(text or "")
+    if denied is None:  # not RBAC: e.g. "exceeded quota", an admission webhook's refusal
+        return f"the API server refused a request of the operator: {text}"
+    user, verb, resource, group, namespace = denied.group("user", "verb", "resource", "group", "namespace")
+    base, _, sub = resource.partition("/")
+    what = f"{base}.{group}" if group else base
+    what += f"/{sub}" if sub else ""
+    if user.startswith("system:serviceaccount:"):
+        sa_ns, _, sa = user.removeprefix("system:serviceaccount:").partition(":")
+        who = f"the operator's ServiceAccount {sa_ns}/{sa}"
+    else:
+        who = f"the operator's identity {user!r}"
+    where = f"in namespace {namespace}" if namespace else "at the cluster scope"
+    return (f"{who} may not {verb} {what} {where}: grant it in the operator's ClusterRole (the chart's "
+            "templates/rbac.yaml; helm upgrade) and check its ClusterRoleBinding; the operator retries by itself")

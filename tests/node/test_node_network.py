@@ -1,0 +1,73 @@
+"""The real node's network keeps every packet on this machine: pods live on the
+cluster's own bridge with routes only to the pod subnet and the Service range,
+nothing is masqueraded, and forwarding off the bridge is dropped. These tests
+read configuration; the only traffic they cause is pod -> host on the bridge."""
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+
+import pytest
+
+import localcluster
+import localnode
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node]
+
+
+def run_pod(kube, namespace: str, name: str, image: str, script: str) -> str:
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"restartPolicy": "Never", "nodeName": localnode.NODE_NAME,
+                         "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": True},
+                         "containers": [{"name": "c", "image": image, "imagePullPolicy": "Never",
+                                         "command": ["/bin/sh", "-c", script],
+                                         "securityContext": {"readOnlyRootFilesystem": True,
+                                                             "allowPrivilegeEscalation": False,
+                                                             "capabilities": {"drop": ["ALL"]}}}]}})
+    kube.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", f"pod/{name}", "-n", namespace,
+                 "--timeout=90s", timeout=100)
+    return kube.kubectl("logs", name, "-n", namespace).stdout
+
+
+def routes(proc_net_route: str) -> list[ipaddress.IPv4Network]:
+    out = []
+    for line in proc_net_route.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 8 or not fields[1].strip():
+            continue
+        dest, mask = (ipaddress.IPv4Address(bytes.fromhex(h)[::-1]) for h in (fields[1], fields[7]))
+        out.append(ipaddress.IPv4Network(f"{dest}/{mask}"))
+    return out
+
+
+def test_pods_have_no_route_off_the_machine(node, namespace, images):
+    logs = run_pod(node, namespace, "routes", images["busybox"]["ref"], "cat /proc/net/route; cat /etc/resolv.conf")
+    nets = routes(logs)
+    assert ipaddress.IPv4Network("0.0.0.0/0") not in nets
+    assert set(nets) == {ipaddress.IPv4Network(localnode.POD_CIDR), ipaddress.IPv4Network(localcluster.SERVICE_CIDR)}
+    # No DNS server to ask: the machine's resolver is off this machine.
+    assert "nameserver" not in logs
+
+
+def test_nothing_masquerades_or_forwards_pod_traffic():
+    nat = subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True, check=True).stdout
+    masquerades = [line for line in nat.splitlines() if "MASQUERADE" in line]
+    # kube-proxy's one rule masquerades only packets it marked for a Service
+    # endpoint (which lives on the bridge); the CNI plugin adds none (ipMasq false).
+    assert all("KUBE-POSTROUTING" in line for line in masquerades), masquerades
+    assert not any(localnode.POD_CIDR in line for line in masquerades)
+    rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True, check=True).stdout
+    assert rules.splitlines()[1] == f"-A FORWARD -j {localnode.GUARD_CHAINS['FORWARD']}"
+    guard = subprocess.run(["iptables", "-S", localnode.GUARD_CHAINS["FORWARD"]], capture_output=True,
+                           text=True, check=True).stdout
+    assert f"-A FERRY-FORWARD -s {localnode.POD_CIDR} -j DROP" in guard
+    # The bridge and its address are the harness's own: the CNI plugin is not
+    # a gateway, so it never switches IP forwarding on.
+    bridge = subprocess.run(["ip", "-4", "addr", "show", localnode.BRIDGE], capture_output=True, text=True).stdout
+    assert f"{localnode.NODE_IP}/24" in bridge
+
+
+def test_the_api_server_is_advertised_on_the_bridge(node):
+    endpoints = node.get_json("endpointslices", "-n", "default", "-l", "kubernetes.io/service-name=kubernetes")
+    addresses = {a for s in endpoints["items"] for e in s["endpoints"] for a in e["addresses"]}
+    assert addresses == {localnode.NODE_IP}

@@ -1,0 +1,196 @@
+"""The production path, run for real on the local cluster's real node: the
+chart's operator in a pod under its own ServiceAccount, prepare Jobs running
+the image built here on dynamically provisioned claims, results and progress
+reported from inside the pods. kwok plays only the GPU node (the vLLM pods)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import (NAMESPACE, condition, mw_status, operator_pod, s3_secret, unique, upload_dir,
+                      wait_ready)
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
+import localcluster  # noqa: E402
+import localnode  # noqa: E402
+from shard_checkpoints import LLAMA3, write_checkpoint  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node]
+FERRY = Path(sys.executable).with_name("ferry")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    write_checkpoint(directory, LLAMA3)
+    return directory
+
+
+def modelweights(name: str, uri: str, fmt: dict, secret: str | None = None, **storage) -> dict:
+    source = {"uri": uri}
+    if secret:
+        source["credentialsSecretRef"] = {"name": secret}
+    return {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"source": source, "storage": {"pvc": {"size": "1Gi", **storage}}, "format": fmt,
+                     "deletionPolicy": "Delete"}}
+
+
+def job_pods(kube, name: str) -> list[dict]:
+    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
+
+
+def claim_dir(kube, claim: str) -> Path:
+    """The host directory behind a claim the local-path provisioner bound."""
+    pvc = kube.get_json("pvc", claim, "-n", NAMESPACE)
+    pv = kube.get_json("pv", pvc["spec"]["volumeName"])
+    path = (pv["spec"].get("hostPath") or pv["spec"].get("local"))["path"]
+    return Path(path)
+
+
+def assert_ran_for_real(kube, name: str, steps: set[str]) -> None:
+    pods = job_pods(kube, name)
+    assert {p["metadata"]["labels"]["ferry.dev/step"] for p in pods} == steps
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == localnode.NODE_NAME
+        (cs,) = pod["status"]["containerStatuses"]
+        term = cs["state"]["terminated"]
+        assert term["exitCode"] == 0, term
+        assert cs["containerID"].startswith("containerd://")
+        # The worker's own result, written to /dev/termination-log by uid 65532.
+        assert json.loads(term["message"])["manifestDigest"].startswith("sha256:")
+
+
+def progress_patched_by_worker(name: str) -> list[dict]:
+    """The API server's audit events of `status.progress` patches of this
+    ModelWeights made with the worker's ServiceAccount token from a pod address."""
+    import ipaddress
+
+    pods = ipaddress.ip_network(localnode.POD_CIDR)
+    return [e for e in localcluster.audit_events()
+            if e.get("objectRef", {}).get("name") == name and e["objectRef"].get("subresource") == "status"
+            and e["user"]["username"] == f"system:serviceaccount:{NAMESPACE}:ferry-worker"
+            and any(ipaddress.ip_address(ip) in pods for ip in e.get("sourceIPs", []))
+            and "progress" in (e.get("requestObject") or {}).get("status", {})
+            and e.get("responseStatus", {}).get("code") == 200]
+
+
+def test_the_node_is_real(node):
+    wide = node.kubectl("get", "nodes", "-o", "wide").stdout
+    row = next(line for line in wide.splitlines() if line.startswith(localnode.NODE_NAME))
+    assert "containerd://1." in row and " Ready " in row
+    kwok = node.get_json("node", "ferry-gpu-node-0")
+    assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in kwok["spec"]["taints"]
+    # The kubelet registered under its own node identity: the Node authorizer
+    # lets it read only what its pods need.
+    assert node.kubectl("auth", "can-i", "list", "secrets", "-A", "--as", f"system:node:{localnode.NODE_NAME}",
+                        "--as-group", "system:nodes", check=False).stdout.startswith("no")
+
+
+def test_operator_runs_in_a_pod_under_the_charts_service_account(node, chart_operator):
+    pod = operator_pod(node, chart_operator["namespace"])
+    assert pod["spec"]["nodeName"] == localnode.NODE_NAME
+    assert pod["spec"]["serviceAccountName"] == chart_operator["service_account"]
+    (cs,) = pod["status"]["containerStatuses"]
+    assert cs["ready"] and cs["image"].startswith("ferry.local/ferry")
+    c = pod["spec"]["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    # It reached the API server through the `kubernetes` Service (kube-proxy) with its own token:
+    # kopf's startup is in its log.
+    logs = node.kubectl("logs", "-n", chart_operator["namespace"], pod["metadata"]["name"]).stdout
+    assert "Ferry" in logs or "kopf" in logs.lower(), logs[-2000:]
+
+
+@pytest.mark.parametrize("fmt,steps", [
+    ({"type": "safetensors"}, {"fetch"}),
+    ({"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}, {"fetch", "shard"}),
+], ids=["safetensors", "sharded_state-tp2"])
+def test_ready_through_real_jobs_from_s3(node, chart_operator, node_s3, checkpoint, fmt, steps):
+    name = unique(fmt["type"].replace("_", "-"))
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    node.apply(modelweights(name, f"s3://{name}/tiny-llama", fmt, secret=f"{name}-s3"))
+    status = wait_ready(node, NAMESPACE, name)
+
+    assert_ran_for_real(node, name, steps)
+    patches = progress_patched_by_worker(name)
+    assert patches, "no status.progress patch from a worker pod in the audit log"
+    assert any(p["requestObject"]["status"]["progress"]["percent"] == 100 for p in patches)
+    # The artifact on the claim, checked from the host against its manifest.
+    uri = status["artifact"]["uri"]
+    claim, _, path = uri.removeprefix("pvc://").partition("/")
+    artifact = claim_dir(node, claim) / path
+    verify = subprocess.run([str(FERRY), "verify", str(artifact)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
+    manifest = json.loads((artifact / "ferry-manifest.json").read_text())
+    if fmt["type"] == "sharded_state":
+        assert any(f["path"].startswith("model-rank-1-part-") for f in manifest["files"])
+    # Written by the worker's uid, not root.
+    assert (artifact / "ferry-manifest.json").stat().st_uid == 65532
+
+
+def test_ready_from_a_pvc_source(node, chart_operator, checkpoint):
+    """`pvc://claim/path`: the source claim is mounted read-only into the fetch Job."""
+    claim = unique("models")
+    node.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim, "namespace": NAMESPACE},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    # WaitForFirstConsumer: a pod that writes the checkpoint binds the claim to the node.
+    files = {f.name: f.read_text() if f.suffix in (".json", ".txt") else None for f in checkpoint.iterdir()}
+    node.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{claim}-writer", "namespace": NAMESPACE},
+                "spec": {"restartPolicy": "Never",
+                         "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532},
+                         "containers": [{"name": "mkdir", "image": _busybox(node), "imagePullPolicy": "Never",
+                                         "command": ["/bin/sh", "-c", "mkdir -p /models/tiny-llama"],
+                                         "volumeMounts": [{"name": "m", "mountPath": "/models"}]}],
+                         "volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": claim}}]}})
+    node.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", f"pod/{claim}-writer", "-n", NAMESPACE,
+                 "--timeout=90s", timeout=100)
+    target = claim_dir(node, claim) / "tiny-llama"
+    for f in checkpoint.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    assert files  # the checkpoint had files to copy
+    name = unique("from-pvc")
+    node.apply(modelweights(name, f"pvc://{claim}/tiny-llama",
+                            {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}))
+    status = wait_ready(node, NAMESPACE, name)
+    assert_ran_for_real(node, name, {"fetch", "shard"})
+    assert condition(status, "Prepared")["status"] == "True"
+
+
+def _busybox(kube) -> str:
+    import localcluster
+    return localcluster.built_images()["busybox"]["ref"]
+
+
+def test_a_wired_deployment_lands_on_the_gpu_node(node, chart_operator, node_s3, checkpoint):
+    """The serving side stays on kwok's GPU node: the toleration comes from the
+    ExtendedResourceToleration admission plugin, as on GKE/AKS."""
+    name = unique("served")
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    labels = {"app": name}
+    node.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                             "args": ["--dtype", "bfloat16"],
+                                             "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}})
+    mw = modelweights(name, f"s3://{name}/tiny-llama",
+                      {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}, secret=f"{name}-s3")
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}]}
+    node.apply(mw)
+    status = wait_ready(node, NAMESPACE, name)
+    pods = node.get_json("pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]
+    assert pods and all(p["spec"]["nodeName"] == "ferry-gpu-node-0" for p in pods)
+    dep = node.get_json("deployment", name, "-n", NAMESPACE)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "sharded_state" in args
+    assert dep["spec"]["template"]["metadata"]["annotations"]["ferry.dev/artifact-digest"] == \
+        status["artifact"]["manifestDigest"]
+    assert mw_status(node, NAMESPACE, name)["phase"] == "Ready"

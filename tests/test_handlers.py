@@ -1,0 +1,86 @@
+"""The kopf glue without a cluster: a 403 from the executor becomes a Stalled
+status (the timer keeps running), and the first reconcile after the permission
+is granted converges."""
+from __future__ import annotations
+
+import json
+
+import kopf
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from ferry_operator import handlers
+from ferry_operator.planner import StepPhase, StepState
+from spec_cases import manifest, with_
+
+DENIED = ('pods is forbidden: User "system:serviceaccount:ferry-system:ferry-operator" cannot list resource "pods" '
+          'in API group "" in the namespace "ml"')
+
+
+def forbidden_error(message: str) -> ApiException:
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                           "message": message, "reason": "Forbidden", "details": {"kind": "pods"}, "code": 403})
+    return exc
+
+
+class Executor:
+    def __init__(self):
+        self.error: Exception | None = forbidden_error(DENIED)
+        self.started: list[str] = []
+
+    def observe(self, mw, step):
+        if self.error is not None:
+            raise self.error
+        return StepState(StepPhase.RUNNING if step.id in self.started else StepPhase.NOT_STARTED)
+
+    def start(self, mw, uid, step):
+        self.started.append(step.id)
+
+    def artifact(self, mw, last):
+        return None
+
+
+@pytest.fixture
+def executor(monkeypatch):
+    ex = Executor()
+    monkeypatch.setattr(handlers, "EXECUTOR", ex)
+    return ex
+
+
+def reconcile(body):
+    patch = kopf.Patch()
+    handlers.reconcile(body=kopf.Body(body), namespace="ml", name="llama", uid="uid-1", patch=patch)
+    body = json.loads(json.dumps(body))
+    body["status"] = {**(body.get("status") or {}), **patch.get("status", {})}
+    return body
+
+
+def conditions(body):
+    return {c["type"]: c for c in body["status"]["conditions"]}
+
+
+def test_a_forbidden_call_stalls_with_who_may_not_do_what_and_then_converges(executor):
+    body = with_("serving", None)
+    body["metadata"].update(namespace="ml", uid="uid-1", generation=1)
+    body = reconcile(body)
+    stalled = conditions(body)["Stalled"]
+    assert (stalled["status"], stalled["reason"]) == ("True", "Forbidden")
+    assert "ServiceAccount ferry-system/ferry-operator may not list pods in namespace ml" in stalled["message"]
+    assert "ClusterRole" in stalled["message"]
+    assert body["status"]["phase"] == "Failed" and conditions(body)["Ready"]["status"] == "False"
+    assert executor.started == []
+
+    executor.error = None  # the ClusterRole fixed
+    body = reconcile(body)
+    assert conditions(body)["Stalled"]["status"] == "False"
+    assert (conditions(body)["Reconciling"]["status"], conditions(body)["Reconciling"]["reason"]) == ("True", "Fetch")
+    assert body["status"]["phase"] == "Fetching" and len(executor.started) == 1
+
+
+def test_other_api_errors_are_left_to_kopf(executor):
+    executor.error = ApiException(status=500, reason="Internal Server Error")
+    body = manifest()
+    body["metadata"].update(namespace="ml", uid="uid-1", generation=1)
+    with pytest.raises(ApiException):
+        reconcile(body)
