@@ -56,10 +56,11 @@ def kubectl(*args: str, input: str | None = None, check: bool = True, quiet: boo
     return proc.stdout
 
 
-def deployment() -> dict:
+def deployment(namespace: str = NAMESPACE) -> dict:
+    """A vLLM Deployment; requesting GPUs is what sends its pods to the (kwok) GPU node."""
     labels = {"app": "tiny-llama-vllm"}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "tiny-llama-vllm", "namespace": NAMESPACE},
+            "metadata": {"name": "tiny-llama-vllm", "namespace": namespace},
             "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {
                 "metadata": {"labels": labels},
                 "spec": {"containers": [{
@@ -77,22 +78,28 @@ def modelweights(source: Path) -> dict:
                      "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}]}}}
 
 
-def watch_until_ready(timeout: float = 300) -> dict:
+def watch_until_ready(timeout: float = 300, namespace: str = NAMESPACE, jobs: bool = False) -> dict:
+    """Print `kubectl get mw` (and the prepare Jobs) as they change, until Ready."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
-        row = kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "--no-headers", quiet=True).strip()
+        row = "  " + kubectl("get", "mw", "tiny-llama", "-n", namespace, "--no-headers", quiet=True).strip()
+        if jobs:
+            listed = kubectl("get", "jobs", "-n", namespace, "--no-headers", quiet=True, check=False)
+            row += "".join(f"\n    job: {j}" for j in listed.splitlines() if j.strip())
         if row != last:
-            print("  " + row, flush=True)
+            print(row, flush=True)
             last = row
-        status = json.loads(kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "-o", "json", quiet=True)).get("status", {})
+        status = json.loads(kubectl("get", "mw", "tiny-llama", "-n", namespace, "-o", "json", quiet=True)).get("status", {})
         conds = {c["type"]: c for c in status.get("conditions", [])}
         if conds.get("Ready", {}).get("status") == "True":
             return status
         if conds.get("Stalled", {}).get("status") == "True":
-            raise SystemExit(f"stalled: {conds['Stalled']['message']}")
+            raise SystemExit(f"stalled: {conds['Stalled']['reason']}: {conds['Stalled']['message']}")
         time.sleep(0.5)
-    raise SystemExit("timed out waiting for Ready")
+    reconciling = conds.get("Reconciling", {})
+    raise SystemExit(f"timed out after {timeout:.0f}s waiting for Ready: {reconciling.get('reason')}: "
+                     f"{reconciling.get('message')}")
 
 
 def main() -> None:

@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
 import localcluster  # noqa: E402
 import localnode  # noqa: E402
 import s3server  # noqa: E402
-from demo import DEMO_LLAMA, kubectl, step  # noqa: E402
+from demo import DEMO_LLAMA, deployment, kubectl, step, watch_until_ready  # noqa: E402
 from shard_checkpoints import write_checkpoint  # noqa: E402
 
 NAMESPACE = "ferry-demo-cluster"
@@ -62,19 +61,6 @@ def s3_server() -> s3server.S3Server:
     return server
 
 
-def deployment() -> dict:
-    labels = {"app": "tiny-llama-vllm"}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "tiny-llama-vllm", "namespace": NAMESPACE},
-            "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {
-                "metadata": {"labels": labels},
-                "spec": {"containers": [{
-                    "name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
-                    "args": ["--max-model-len", "4096", "--dtype", "bfloat16"],
-                    # Requesting GPUs is what sends it to the (kwok) GPU node.
-                    "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}}}
-
-
 def modelweights() -> dict:
     return {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
             "metadata": {"name": "tiny-llama", "namespace": NAMESPACE},
@@ -82,27 +68,6 @@ def modelweights() -> dict:
                      "storage": {"pvc": {"size": "1Gi"}},
                      "format": {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"},
                      "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}]}}}
-
-
-def watch_until_ready(timeout: float = 600) -> dict:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        row = kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "--no-headers", quiet=True).strip()
-        jobs = kubectl("get", "jobs", "-n", NAMESPACE, "--no-headers", quiet=True, check=False).strip()
-        view = f"{row}\n{jobs}"
-        if view != last:
-            print("  mw:   " + row + "".join(f"\n  job:  {j}" for j in jobs.splitlines() if j), flush=True)
-            last = view
-        status = json.loads(kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "-o", "json", quiet=True)).get(
-            "status", {})
-        conds = {c["type"]: c for c in status.get("conditions", [])}
-        if conds.get("Ready", {}).get("status") == "True":
-            return status
-        if conds.get("Stalled", {}).get("status") == "True":
-            raise SystemExit(f"stalled: {conds['Stalled']['reason']}: {conds['Stalled']['message']}")
-        time.sleep(1)
-    raise SystemExit("timed out waiting for Ready")
 
 
 def main() -> None:
@@ -144,11 +109,11 @@ def main() -> None:
     kubectl("apply", "-f", "-", quiet=True, input=json.dumps({
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials", "namespace": NAMESPACE},
         "stringData": s3.env()}))
-    kubectl("apply", "-f", "-", input=json.dumps(deployment()))
+    kubectl("apply", "-f", "-", input=json.dumps(deployment(NAMESPACE)))
     kubectl("apply", "-f", "-", input=json.dumps(modelweights()))
 
     step("Real Jobs on the real node: fetch -> verify -> pre-shard -> wire (kubectl get mw, jobs)")
-    status = watch_until_ready()
+    status = watch_until_ready(timeout=600, namespace=NAMESPACE, jobs=True)
     print(json.dumps(status["artifact"], indent=2))
     kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide")
     kubectl("get", "pvc", "-n", NAMESPACE)

@@ -5,7 +5,7 @@ etcd + kube-apiserver + kube-controller-manager + kube-scheduler, and two nodes:
 - `ferry-node-0`, a real node (e2e/localnode.py): kubelet + containerd + runc
   + CNI + kube-proxy, and rancher's local-path-provisioner as the default
   StorageClass. Prepare Jobs and the operator from the chart run here.
-- `ferry-gpu-node-0`, kwok's fake 8-GPU node (pods are scheduled and turn
+- `ferry-gpu-node-0` and `-1`, kwok's fake 8-GPU nodes (pods are scheduled and turn
   Running without running): the vLLM serving pods that cannot run here. It
   carries the `nvidia.com/gpu` NoSchedule taint of a GPU node pool; pods that
   request `nvidia.com/gpu` get the toleration from the
@@ -49,7 +49,9 @@ STATE = Path(os.environ.get("FERRY_STATE_DIR", REPO / ".ferry"))
 CLUSTER = STATE / "cluster"
 KUBECONFIG = STATE / "kubeconfig"
 SERVICE_CIDR = "10.96.0.0/16"
-FAKE_NODE = "ferry-gpu-node-0"
+# kwok's GPU node pool: two 8-GPU nodes, so a demo and the tests' Deployments
+# (and their rolling updates' surge pods) fit side by side.
+FAKE_NODES = ("ferry-gpu-node-0", "ferry-gpu-node-1")
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 PAUSE_IMAGE = "ferry.local/pause:3.10"
 
@@ -316,7 +318,8 @@ class Cluster:
         ])
         self.pids_file.write_text(json.dumps(pids))
         KUBECONFIG.write_text(kubeconfig(server, ca, tokens["admin"], "ferry-admin"))
-        self._create_fake_node()
+        for name in FAKE_NODES:
+            self._create_fake_node(name)
         if with_node:
             self._start_node(pids, bin_dir, provisioner_bin, cfgs, ca, timeout)
         # The serviceaccount controller must have made `default` before pods can be created.
@@ -357,13 +360,13 @@ class Cluster:
         subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],
                        input=json.dumps(obj), text=True, check=True, capture_output=True)
 
-    def _create_fake_node(self) -> None:
+    def _create_fake_node(self, name: str) -> None:
         node = {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {
-                "name": FAKE_NODE,
+                "name": name,
                 "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                "labels": {"kubernetes.io/hostname": FAKE_NODE, "kubernetes.io/os": "linux",
+                "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                            "kubernetes.io/arch": "amd64", "type": "kwok",
                            "nvidia.com/gpu.present": "true"},
             },

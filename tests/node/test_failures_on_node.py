@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from conftest import (NAMESPACE, condition, install_chart, mw_status, s3_secret, uninstall_chart, unique,
-                      upload_dir, wait_ready, wait_stalled)
-from test_prepare_on_node import checkpoint, modelweights  # noqa: F401 - the checkpoint fixture
+from node_support import (NAMESPACE, condition, install_chart, modelweights, mw_status, s3_secret, uninstall_chart,
+                      unique, upload_dir, wait_ready, wait_stalled)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 TP2 = {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}
@@ -61,7 +60,7 @@ def operator_with_missing_worker_image(node, images):
     uninstall_chart(node, release, namespace, watch)
 
 
-def test_worker_image_missing_on_the_node(node, operator_with_missing_worker_image, node_s3, checkpoint):  # noqa: F811
+def test_worker_image_missing_on_the_node(node, operator_with_missing_worker_image, node_s3, checkpoint):
     watch = operator_with_missing_worker_image
     name = unique("noimage")
     upload_dir(node_s3, name, "tiny-llama", checkpoint)
@@ -73,7 +72,7 @@ def test_worker_image_missing_on_the_node(node, operator_with_missing_worker_ima
     assert MISSING_IMAGE in stalled["message"], stalled
 
 
-def test_operator_without_a_permission_says_which(node, chart_operator, node_s3, checkpoint):  # noqa: F811
+def test_operator_without_a_permission_says_which(node, chart_operator, node_s3, checkpoint):
     """The chart's ClusterRole is what the running operator has: take away
     `create` on Jobs and the status says so; give it back and it converges."""
     role_name = chart_operator["cluster_role"]

@@ -11,34 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (NAMESPACE, condition, mw_status, operator_pod, s3_secret, unique, upload_dir,
-                      wait_ready)
+from node_support import (NAMESPACE, condition, modelweights, mw_status, operator_pod, s3_secret, unique,
+                      upload_dir, wait_ready)
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
 import localcluster  # noqa: E402
 import localnode  # noqa: E402
-from shard_checkpoints import LLAMA3, write_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 FERRY = Path(sys.executable).with_name("ferry")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    write_checkpoint(directory, LLAMA3)
-    return directory
-
-
-def modelweights(name: str, uri: str, fmt: dict, secret: str | None = None, **storage) -> dict:
-    source = {"uri": uri}
-    if secret:
-        source["credentialsSecretRef"] = {"name": secret}
-    return {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {"source": source, "storage": {"pvc": {"size": "1Gi", **storage}}, "format": fmt,
-                     "deletionPolicy": "Delete"}}
 
 
 def job_pods(kube, name: str) -> list[dict]:
@@ -84,8 +65,9 @@ def test_the_node_is_real(node):
     wide = node.kubectl("get", "nodes", "-o", "wide").stdout
     row = next(line for line in wide.splitlines() if line.startswith(localnode.NODE_NAME))
     assert "containerd://1." in row and " Ready " in row
-    kwok = node.get_json("node", "ferry-gpu-node-0")
-    assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in kwok["spec"]["taints"]
+    for name in localcluster.FAKE_NODES:
+        kwok = node.get_json("node", name)
+        assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in kwok["spec"]["taints"]
     # The kubelet registered under its own node identity: the Node authorizer
     # lets it read only what its pods need.
     assert node.kubectl("auth", "can-i", "list", "secrets", "-A", "--as", f"system:node:{localnode.NODE_NAME}",
@@ -187,7 +169,7 @@ def test_a_wired_deployment_lands_on_the_gpu_node(node, chart_operator, node_s3,
     node.apply(mw)
     status = wait_ready(node, NAMESPACE, name)
     pods = node.get_json("pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]
-    assert pods and all(p["spec"]["nodeName"] == "ferry-gpu-node-0" for p in pods)
+    assert pods and all(p["spec"]["nodeName"] in localcluster.FAKE_NODES for p in pods)
     dep = node.get_json("deployment", name, "-n", NAMESPACE)
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "sharded_state" in args

@@ -1,0 +1,115 @@
+"""Helpers for the real-node tests (a module of its own: several conftest.py
+files exist, so tests import helpers from here, never from a conftest)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+
+import localcluster
+from cluster_support import Kube, wait_for
+from s3server import S3Server
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "ferry"
+# The namespace the chart's operator watches; every ModelWeights of these tests lives there.
+NAMESPACE = "node-e2e"
+
+
+def modelweights(name: str, uri: str, fmt: dict, secret: str | None = None, **storage) -> dict:
+    source = {"uri": uri}
+    if secret:
+        source["credentialsSecretRef"] = {"name": secret}
+    return {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"source": source, "storage": {"pvc": {"size": "1Gi", **storage}}, "format": fmt,
+                     "deletionPolicy": "Delete"}}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(localcluster.binaries() / "helm"), "--kubeconfig", str(localcluster.KUBECONFIG),
+                           *args], capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
+    return proc
+
+
+def install_chart(kube: Kube, release: str, namespace: str, watch: str, image_ref: str, *sets: str) -> None:
+    repository, _, tag = image_ref.rpartition(":")
+    kube.kubectl("create", "namespace", watch, check=False)
+    args = ["upgrade", "--install", release, str(CHART), "--namespace", namespace, "--create-namespace",
+            "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+            "--set", "image.pullPolicy=Never",
+            "--set", f"operator.watchNamespaces={{{watch}}}",
+            # Two cores on this node: small requests so Jobs and the operator fit.
+            "--set", "operator.resources.requests.cpu=50m",
+            "--set-json", 'worker.resources={"requests":{"cpu":"100m","memory":"256Mi"},"limits":{"memory":"1Gi"}}',
+            "--set", "operator.logLevel=debug", "--wait", "--timeout", "180s"]
+    for s in sets:
+        args += ["--set", s]
+    proc = helm(*args, check=False)
+    if proc.returncode != 0:
+        pods = kube.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        describe = kube.kubectl("describe", "pods", "-n", namespace, check=False).stdout[-4000:]
+        raise AssertionError(f"helm install {release} failed:\n{proc.stderr}\n{pods}\n{describe}")
+
+
+def uninstall_chart(kube: Kube, release: str, namespace: str, watch: str) -> None:
+    # The operator must still run to let its ModelWeights go (kopf's finalizer).
+    kube.kubectl("delete", "mw", "--all", "-n", watch, "--timeout=90s", check=False, timeout=120)
+    helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s", check=False)
+    kube.kubectl("delete", "namespace", watch, "--wait=false", check=False)
+
+
+def operator_pod(kube: Kube, namespace: str) -> dict:
+    (pod,) = kube.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/component=operator")["items"]
+    return pod
+
+
+def s3_secret(kube: Kube, namespace: str, name: str, s3: S3Server) -> None:
+    """The credentials Secret a ModelWeights references (its keys become the worker's env)."""
+    env = s3.env()
+    kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
+                "stringData": env})
+
+
+def upload_dir(s3: S3Server, bucket: str, prefix: str, directory: Path) -> None:
+    client = s3.client()
+    client.create_bucket(Bucket=bucket)
+    for f in sorted(directory.rglob("*")):
+        if f.is_file():
+            client.upload_file(str(f), bucket, f"{prefix}/{f.relative_to(directory)}")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def mw_status(kube: Kube, namespace: str, name: str) -> dict:
+    return kube.get_json("mw", name, "-n", namespace).get("status", {})
+
+
+def condition(status: dict, kind: str) -> dict:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
+
+
+def wait_ready(kube: Kube, namespace: str, name: str, timeout: float = 240, stalled_ok: bool = False) -> dict:
+    def ready():
+        status = mw_status(kube, namespace, name)
+        stalled = condition(status, "Stalled")
+        if stalled.get("status") == "True" and not stalled_ok:
+            raise AssertionError(f"{name} Stalled: {stalled.get('reason')}: {stalled.get('message')}")
+        return status if condition(status, "Ready").get("status") == "True" else None
+    try:
+        return wait_for(ready, f"{name} Ready", timeout)
+    except AssertionError:
+        pods = kube.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        print(pods, json.dumps(mw_status(kube, namespace, name), indent=1))
+        raise
+
+
+def wait_stalled(kube: Kube, namespace: str, name: str, timeout: float = 120) -> dict:
+    def stalled():
+        c = condition(mw_status(kube, namespace, name), "Stalled")
+        return c if c.get("status") == "True" else None
+    return wait_for(stalled, f"{name} Stalled", timeout)
