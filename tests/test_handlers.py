@@ -44,7 +44,10 @@ class Executor:
 @pytest.fixture
 def executor(monkeypatch):
     ex = Executor()
+    ex.events = []
     monkeypatch.setattr(handlers, "EXECUTOR", ex)
+    # kopf posts Events from its own loop, absent here: record them instead.
+    monkeypatch.setattr(handlers.kopf, "event", lambda body, **e: ex.events.append((e["type"], e["reason"])))
     return ex
 
 
@@ -70,12 +73,14 @@ def test_a_forbidden_call_stalls_with_who_may_not_do_what_and_then_converges(exe
     assert "ClusterRole" in stalled["message"]
     assert body["status"]["phase"] == "Failed" and conditions(body)["Ready"]["status"] == "False"
     assert executor.started == []
+    assert executor.events == [("Warning", "Forbidden")]
 
     executor.error = None  # the ClusterRole fixed
     body = reconcile(body)
     assert conditions(body)["Stalled"]["status"] == "False"
     assert (conditions(body)["Reconciling"]["status"], conditions(body)["Reconciling"]["reason"]) == ("True", "Fetch")
     assert body["status"]["phase"] == "Fetching" and len(executor.started) == 1
+    assert executor.events[1:] == [("Normal", "StepStarted")]
 
 
 def test_other_api_errors_are_left_to_kopf(executor):

@@ -8,6 +8,7 @@ path on the real node, with the image built here: tests/node/."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -94,3 +95,19 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert status["artifact"]["manifestDigest"] == result["manifestDigest"]
     assert status["artifact"]["size"] == "3.0Mi"
     assert {c["type"]: c["status"] for c in status["conditions"]}["Stalled"] == "False"
+
+    # Durable facts: the status records the artifact for this spec, so the Jobs
+    # may expire (TTL set once recorded) and deleting them and their pods
+    # changes nothing: nothing re-runs, Ready stays.
+    assert status["artifact"]["specDigest"] == digest_dir.rsplit("/", 1)[-1]
+    ttls = wait_for(lambda: [j["spec"].get("ttlSecondsAfterFinished") for j in jobs(crd, namespace).values()]
+                    if all(j["spec"].get("ttlSecondsAfterFinished") for j in jobs(crd, namespace).values()) else None,
+                    "TTL on the finished Jobs")
+    assert set(ttls) == {600}
+    crd.kubectl("delete", "jobs", "--all", "-n", namespace, "--cascade=foreground", "--wait=true")
+    crd.kubectl("delete", "pods", "--all", "-n", namespace, "--wait=true", "--grace-period=0", "--force")
+    time.sleep(8)  # eight reconcile intervals of this operator
+    assert jobs(crd, namespace) == {}
+    after = crd.get_json("mw", "llama", "-n", namespace)["status"]
+    assert {c["type"]: c["status"] for c in after["conditions"]}["Ready"] == "True"
+    assert after["artifact"] == status["artifact"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -70,6 +71,22 @@ def test_safetensors_copy_becomes_ready_with_the_manifest_digest(crd, namespace,
     assert by_type["Reconciling"]["status"] == "False"
     assert "progress" not in status
     assert artifact_dir.is_relative_to(operator)
+    # Every transition is a core Event on the object: `kubectl describe mw` tells the story.
+    def story():
+        events = crd.get_json("events", "-n", namespace, "--field-selector", "involvedObject.name=tiny")["items"]
+        return sorted(e["reason"] for e in events for _ in range(e.get("count") or 1))
+    wait_for(lambda: "Ready" in story(), "the Ready Event")
+    # Each once (same-second Events have no order to check).
+    assert story() == sorted(["StepStarted", "StepSucceeded", "ArtifactReady", "Ready"])
+    described = crd.kubectl("describe", "mw", "tiny", "-n", namespace).stdout
+    assert "StepStarted" in described and "ArtifactReady" in described
+    # Durable facts: with the worker's records gone, nothing re-runs and Ready stays.
+    steps_dir = operator / namespace / "tiny" / ".steps"
+    shutil.rmtree(steps_dir)
+    time.sleep(5)  # five reconcile intervals of this operator
+    assert not steps_dir.exists()
+    after = crd.get_json("mw", "tiny", "-n", namespace)["status"]
+    assert after["phase"] == "Ready" and after["artifact"] == status["artifact"]
 
 
 def test_a_source_without_weights_stalls_naming_it(crd, namespace, operator, tmp_path):
@@ -127,7 +144,8 @@ def test_serving_deployment_is_wired_and_rolled_on_spec_change(crd, namespace, o
     sidecar, vllm = template["spec"]["containers"]
     assert "args" not in sidecar  # only the named container is touched
     assert vllm["args"] == ["--max-model-len", "4096", "--model", "/ferry/weights", "--load-format", "safetensors",
-                            "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
+                            "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
+                            "--served-model-name", "placeholder"]  # the name the container served
     assert template["metadata"]["annotations"]["ferry.dev/artifact-digest"] == status["artifact"]["manifestDigest"]
     (volume,) = template["spec"]["volumes"]
     assert volume["hostPath"]["path"] == status["artifact"]["uri"].removeprefix("file://")

@@ -7,7 +7,7 @@ from ferry_operator.api.validation import parse
 from ferry_operator.planner import (
     ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, blocked, human_bytes, plan,
 )
-from ferry_operator.serving import DIGEST_ANNOTATION, DeploymentFacts
+from ferry_operator.serving import DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, DeploymentFacts
 from ferry_operator.steps import prepare_steps, spec_digest
 from spec_cases import manifest, with_
 
@@ -68,9 +68,10 @@ def prepared(m):
     return {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}
 
 
-def deployment(args=VLLM_ARGS, digest=None, rolled_out=True, containers=("vllm",)):
+def deployment(args=VLLM_ARGS, digest=None, rolled_out=True, containers=("vllm",), annotations=None):
     return DeploymentFacts(name="llama-70b-vllm", containers={c: list(args) for c in containers},
-                           template_annotations={DIGEST_ANNOTATION: digest} if digest else {},
+                           template_annotations={**({DIGEST_ANNOTATION: digest} if digest else {}),
+                                                 **(annotations or {})},
                            rolled_out=rolled_out)
 
 
@@ -83,9 +84,11 @@ def test_prepared_artifact_patches_the_serving_deployment():
     assert template["metadata"]["annotations"][DIGEST_ANNOTATION] == FACTS.manifest_digest
     (c,) = template["spec"]["containers"]
     assert c["name"] == "vllm"
-    # The user's flags stay; Ferry's replace theirs (aliases included).
+    # The user's flags stay; Ferry's replace theirs (aliases included); clients keep the model's name.
     assert c["args"] == ["--max-model-len", "8192", "--model", "/ferry/weights", "--load-format", "sharded_state",
-                         "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1"]
+                         "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1",
+                         "--served-model-name", "meta-llama/Meta-Llama-3-70B-Instruct"]
+    assert template["metadata"]["annotations"][SERVED_NAME_ANNOTATION] == "meta-llama/Meta-Llama-3-70B-Instruct"
     assert c["volumeMounts"] == [{"name": "ferry-weights", "mountPath": "/ferry/weights", "readOnly": True,
                                   "subPath": "llama/abc"}]
     assert template["spec"]["volumes"] == [{"name": "ferry-weights", "persistentVolumeClaim": {
@@ -98,7 +101,8 @@ def test_wired_and_rolled_out_is_ready():
     m = mw()
     first = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
     args = first.actions[0].patch["spec"]["template"]["spec"]["containers"][0]["args"]
-    wired = deployment(args=args, digest=FACTS.manifest_digest)
+    annotations = first.actions[0].patch["spec"]["template"]["metadata"]["annotations"]
+    wired = deployment(args=args, annotations=annotations)
     p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": wired}))
     assert p.actions == []  # idempotent: nothing to patch again
     assert conds(p)["ServingUpdated"] == ("True", "RolledOut")
@@ -106,7 +110,7 @@ def test_wired_and_rolled_out_is_ready():
     assert conds(p)["Reconciling"][0] == "False"
     assert p.status.phase == "Ready"
     assert p.status.artifact.size == "3.0Gi" and p.status.artifact.tensor_parallel_size == 4
-    rolling = deployment(args=args, digest=FACTS.manifest_digest, rolled_out=False)
+    rolling = deployment(args=args, annotations=annotations, rolled_out=False)
     p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": rolling}))
     assert p.actions == []
     assert conds(p)["ServingUpdated"] == ("False", "RollingOut") and conds(p)["Ready"][0] == "False"
@@ -244,3 +248,22 @@ def test_blocked_stalls_and_keeps_what_was_observed():
     assert status.phase == "Failed" and status.observed_generation == 4
     assert status.artifact == ready.status.artifact
     assert ready.status.phase != "Failed"  # a copy: the input is untouched
+
+
+def test_the_recorded_artifact_is_the_source_of_truth_for_its_spec_only():
+    from ferry_operator.planner import recorded_artifact
+
+    m = mw()
+    steps = prepare_steps(m.spec)
+    assert recorded_artifact(m, steps) is None  # nothing recorded yet
+    ready = plan(m, Observed(steps=prepared(m), artifact=FACTS))
+    assert ready.status.artifact.spec_digest == steps[-1].digest
+    m.status = ready.status
+    assert recorded_artifact(m, steps) == FACTS
+    # A spec change that shapes the bytes: the record is for another artifact.
+    changed = mw(with_("format.tensorParallelSize", 8))
+    changed.status = ready.status
+    assert recorded_artifact(changed, prepare_steps(changed.spec)) is None
+    # A record without a manifest digest (an older operator's) proves nothing.
+    m.status.artifact.manifest_digest = None
+    assert recorded_artifact(m, steps) is None

@@ -18,8 +18,10 @@ from kubernetes.client.exceptions import ApiException
 
 from .api.types import GROUP, PLURAL, VERSION, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
+from .events import Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
-from .planner import ArtifactFacts, Observed, PatchDeployment, StartStep, StepState, blocked, plan
+from .planner import (ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, blocked, plan,
+                      recorded_artifact)
 from .serving import DeploymentFacts
 from .steps import Step, UnsupportedSpec, prepare_steps
 
@@ -101,6 +103,7 @@ def read_deployment(namespace: str, name: str) -> DeploymentFacts | None:
     return DeploymentFacts(
         name=name,
         containers={c.name: list(c.args or []) for c in d.spec.template.spec.containers},
+        commands={c.name: list(c.command or []) for c in d.spec.template.spec.containers},
         template_annotations=dict(d.spec.template.metadata.annotations or {}),
         rolled_out=rolled_out,
     )
@@ -126,12 +129,14 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
         mw = parse(dict(body))
         steps = prepare_steps(mw.spec)
     except (InvalidSpec, UnsupportedSpec) as exc:
-        status = blocked(_parse_status(raw_status), body["metadata"].get("generation", 0), type(exc).__name__,
-                         str(exc))
+        before = _parse_status(raw_status)
+        status = blocked(before, body["metadata"].get("generation", 0), type(exc).__name__, str(exc))
+        _post(body, transitions(before, status, []))
         patch.status.update(_status_patch(raw_status, status))
         return
+    actions: list[StartStep | PatchDeployment] = []
     try:
-        status = _reconcile(mw, namespace, name, uid, steps)
+        status = _reconcile(mw, namespace, name, uid, steps, actions)
     except ApiException as exc:
         if exc.status != 403:  # kopf logs it and retries
             raise
@@ -142,23 +147,44 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
         if not any(c.get("type") == "Stalled" and c.get("message") == message for c in previous):
             log.warning("%s/%s: %s", namespace, name, message)
         status = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message)
+    _post(body, transitions(mw.status, status, actions))
     patch.status.update(_status_patch(raw_status, status))
+
+
+def _post(body: kopf.Body, events: list[Event]) -> None:
+    """Core Events on the ModelWeights (kopf posts them in the background)."""
+    for e in events:
+        kopf.event(body, type=e.type, reason=e.reason, message=e.message[:1024])
 
 
 def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
     return ModelWeightsStatus.model_validate(raw) if raw else ModelWeightsStatus()
 
 
-def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step]) -> ModelWeightsStatus:
-    """Observe, plan, act; the status the planner computed."""
+def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
+               done: list[StartStep | PatchDeployment]) -> ModelWeightsStatus:
+    """Observe, plan, act; the status the planner computed. `done` collects the
+    actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
     refs = mw.spec.serving.deployments if mw.spec.serving else []
+    recorded = recorded_artifact(mw, steps)
+    if recorded is not None:
+        # The status is the source of truth once it records the artifact: the
+        # executor is not asked again (its Jobs may have expired).
+        step_states = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
+    else:
+        step_states = {s.id: EXECUTOR.observe(mw, s) for s in steps}
     observed = Observed(
-        steps={s.id: EXECUTOR.observe(mw, s) for s in steps},
-        artifact=EXECUTOR.artifact(mw, steps[-1]) if steps else None,
+        steps=step_states,
+        artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
         deployments={r.name: read_deployment(namespace, r.name) for r in refs},
     )
     result = plan(mw, observed)
+    if recorded is None and result.status.artifact is not None and result.status.artifact.spec_digest:
+        # Recorded from now on: the executor may let the steps' Jobs expire.
+        finished = getattr(EXECUTOR, "finished", None)
+        if finished is not None:
+            finished(mw, steps)
     for action in result.actions:
         if isinstance(action, StartStep):
             log.info("%s/%s: starting step %s", namespace, name, action.step.id)
@@ -167,6 +193,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
                                              _content_type="application/strategic-merge-patch+json")
+        done.append(action)
     return result.status
 
 

@@ -68,6 +68,15 @@ class Plan:
     requeue_after: float | None
 
 
+def recorded_artifact(mw: ModelWeights, steps: list[Step]) -> ArtifactFacts | None:
+    """The artifact the status already records for this spec, if any: then every
+    step is done, and the Jobs, pods or worker state that said so may be gone."""
+    art = mw.status.artifact if mw.status else None
+    if not steps or art is None or art.spec_digest != steps[-1].digest or not art.manifest_digest:
+        return None
+    return ArtifactFacts(uri=art.uri, total_bytes=art.total_bytes, manifest_digest=art.manifest_digest)
+
+
 def human_bytes(n: int) -> str:
     for unit in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):
         if n < 1024 or unit == "Pi":
@@ -153,6 +162,7 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
         total_bytes=artifact.total_bytes if artifact else 0,
         size=human_bytes(artifact.total_bytes) if artifact else None,
         manifest_digest=artifact.manifest_digest if artifact else None,
+        spec_digest=steps[-1].digest if artifact and steps else None,
     )
     if artifact is not None:
         cond(ConditionType.PREPARED, True, "Prepared", f"{facts.size} at {artifact.uri}")

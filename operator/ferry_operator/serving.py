@@ -1,38 +1,31 @@
 """Serving wiring: what Ferry writes into a vLLM Deployment. Pure.
 
-Ferry owns a small set of vLLM flags in the chosen container's args and leaves
-every other flag as the user wrote it. The artifact is mounted read-only at
-/ferry/weights (PVC, or a hostPath for the local executor) or streamed from
-S3, and the pod template carries the artifact's manifest digest, so a new
-artifact — and only a new artifact or new flags — rolls the Deployment.
+Ferry owns a small set of vLLM flags in the chosen container's command line
+and leaves every other word as the user wrote it; `serving_shapes` finds where
+vLLM reads its model in the usual container shapes (`vllm serve MODEL`, the
+api_server module, a `sh -c` script, an image entrypoint). The artifact is
+mounted read-only at /ferry/weights (PVC, or a hostPath for the local
+executor) or streamed from S3, and the pod template carries the artifact's
+manifest digest, so a new artifact — and only a new artifact or new flags —
+rolls the Deployment. `--served-model-name` keeps the model's name for
+clients (see served_model_name).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .api.types import Artifact, FormatType, ModelWeightsSpec
+from .serving_shapes import MANAGED_FLAGS, ServingError, recognise  # noqa: F401 (re-exported)
 
 MOUNT_PATH = "/ferry/weights"
 VOLUME_NAME = "ferry-weights"
 DIGEST_ANNOTATION = "ferry.dev/artifact-digest"
 OWNER_ANNOTATION = "ferry.dev/modelweights"
-
-# Flags Ferry sets; any user value for them is replaced (aliases included).
-MANAGED_FLAGS = {
-    "--model": "--model",
-    "--load-format": "--load-format",
-    "--tensor-parallel-size": "--tensor-parallel-size",
-    "-tp": "--tensor-parallel-size",
-    "--pipeline-parallel-size": "--pipeline-parallel-size",
-    "-pp": "--pipeline-parallel-size",
-    "--model-loader-extra-config": "--model-loader-extra-config",
-}
-
-
-class ServingError(Exception):
-    """The Deployment cannot be wired as asked (e.g. the named container is missing)."""
+# The --served-model-name Ferry wrote (absent when the user set their own): what
+# tells Ferry's value, which it keeps current, from a user's, which it never touches.
+SERVED_NAME_ANNOTATION = "ferry.dev/served-model-name"
 
 
 @dataclass(frozen=True)
@@ -43,22 +36,7 @@ class DeploymentFacts:
     containers: dict[str, list[str]]  # container name -> args, in pod-spec order
     template_annotations: dict[str, str]
     rolled_out: bool  # the controller has observed the latest generation and every replica is updated and available
-
-
-def strip_managed(args: list[str]) -> list[str]:
-    """Remove Ferry-managed flags (`--flag value` and `--flag=value` forms)."""
-    out: list[str] = []
-    skip_value = False
-    for arg in args:
-        if skip_value:
-            skip_value = False
-            continue
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            skip_value = "=" not in arg
-            continue
-        out.append(arg)
-    return out
+    commands: dict[str, list[str]] = field(default_factory=dict)  # container name -> command (absent: none)
 
 
 def model_location(artifact_uri: str) -> str:
@@ -68,10 +46,10 @@ def model_location(artifact_uri: str) -> str:
     return MOUNT_PATH
 
 
-def ferry_args(spec: ModelWeightsSpec, artifact_uri: str) -> list[str]:
+def ferry_flags(spec: ModelWeightsSpec) -> list[str]:
+    """Ferry's flags besides the model (which goes where the shape says)."""
     fmt = spec.format
-    args = [
-        "--model", model_location(artifact_uri),
+    flags = [
         "--load-format", fmt.type,
         "--tensor-parallel-size", str(fmt.tensor_parallel_size),
         "--pipeline-parallel-size", str(fmt.pipeline_parallel_size),
@@ -79,8 +57,30 @@ def ferry_args(spec: ModelWeightsSpec, artifact_uri: str) -> list[str]:
     if fmt.type == FormatType.RUNAI_STREAMER.value and fmt.runai_streamer is not None:
         extra = fmt.runai_streamer.model_dump(exclude_none=True)
         if extra:
-            args += ["--model-loader-extra-config", json.dumps(extra, sort_keys=True)]
-    return args
+            flags += ["--model-loader-extra-config", json.dumps(extra, sort_keys=True)]
+    return flags
+
+
+def served_model_name(spec: ModelWeightsSpec, user_model: str | None, ferry_set: str | None) -> str:
+    """The name clients ask vLLM for, which Ferry keeps when it moves the model to the artifact.
+
+    - hf://org/name: `org/name`, always (the source is the model).
+    - otherwise, once Ferry has set it (`ferry_set`): that value. Ferry decides it
+      when it first wires the container, while the user's model is still there to read.
+    - otherwise the model the container named (positional or --model), verbatim:
+      vLLM served it under that name, so that is what clients send.
+    - otherwise (no model in the command line, e.g. only in a --config file, or
+      Ferry's own mount left by an earlier wiring): the source's last path
+      component (s3://bucket/models/llama-70b -> llama-70b).
+    """
+    uri = spec.source.uri
+    if uri.startswith("hf://"):
+        return uri.removeprefix("hf://").strip("/")
+    if ferry_set is not None:
+        return ferry_set
+    if user_model and user_model.rstrip("/") != MOUNT_PATH:
+        return user_model
+    return uri.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1] or uri
 
 
 def volume_for(artifact_uri: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -125,7 +125,11 @@ def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
 def deployment_patch(
     spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: DeploymentFacts,
 ) -> dict[str, Any] | None:
-    """The strategic-merge patch that wires `current` to the artifact; None if already wired."""
+    """The strategic-merge patch that wires `current` to the artifact; None if already wired.
+
+    Idempotent: a container this patch wired yields the same command, args and
+    annotations, so the Deployment rolls once per change, never per reconcile.
+    """
     if not current.containers:
         raise ServingError(f"deployment {current.name} has no containers")
     name = container or next(iter(current.containers))
@@ -133,11 +137,24 @@ def deployment_patch(
         raise ServingError(
             f"deployment {current.name} has no container {name!r} (has: {', '.join(current.containers)})"
         )
-    args = strip_managed(current.containers[name]) + ferry_args(spec, artifact.uri)
+    command, args = list(current.commands.get(name) or []), list(current.containers[name])
+    try:
+        shape = recognise(command, args)
+    except ServingError as exc:
+        raise ServingError(f"deployment {current.name} container {name!r}: {exc}") from None
+    ferry_set = current.template_annotations.get(SERVED_NAME_ANNOTATION)
+    ours = ferry_set is not None and shape.served_names == [ferry_set]
+    served = None
+    if shape.served_names is None or ours:
+        served = served_model_name(spec, shape.model, ferry_set if ours else None)
+    new_command, new_args = shape.wire(model_location(artifact.uri), ferry_flags(spec), served, ours)
     digest = artifact.manifest_digest or artifact.uri
-    if args == current.containers[name] and current.template_annotations.get(DIGEST_ANNOTATION) == digest:
+    if (new_command == command and new_args == args and ferry_set == served
+            and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
         return None
-    c: dict[str, Any] = {"name": name, "args": args}
+    c: dict[str, Any] = {"name": name, "args": new_args}
+    if new_command != command:
+        c["command"] = new_command
     pod: dict[str, Any] = {"containers": [c]}
     mounted = volume_for(artifact.uri)
     if mounted is not None:
@@ -146,7 +163,9 @@ def deployment_patch(
         c["volumeMounts"] = [mount]
     elif env := s3_env(spec):
         c["env"] = env
-    return {"spec": {"template": {
-        "metadata": {"annotations": {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}},
-        "spec": pod,
-    }}}
+    annotations: dict[str, Any] = {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}
+    if served is not None:
+        annotations[SERVED_NAME_ANNOTATION] = served
+    elif ferry_set is not None:
+        annotations[SERVED_NAME_ANNOTATION] = None  # the user set their own: Ferry's is gone
+    return {"spec": {"template": {"metadata": {"annotations": annotations}, "spec": pod}}}

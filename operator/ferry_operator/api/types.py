@@ -504,6 +504,12 @@ class Artifact(Model):
     manifest_digest: str | None = Field(
         None, max_length=80, pattern=r"^sha256:[0-9a-f]{64}$", description="sha256 of ferry-manifest.json."
     )
+    spec_digest: str | None = Field(
+        None, max_length=64, pattern=r"^[0-9a-f]{8,64}$",
+        description="Digest of the spec fields that shaped this artifact. While it matches the spec, this record "
+                    "is the source of truth: prepare steps never run again, whether or not their Jobs and pods "
+                    "still exist.",
+    )
 
 
 class ModelWeightsStatus(Model):

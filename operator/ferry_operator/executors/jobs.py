@@ -21,6 +21,9 @@ SOURCE_MOUNT = "/source"
 RESULT_FILE = "/dev/termination-log"
 LABEL_MW = "ferry.dev/modelweights"
 LABEL_STEP = "ferry.dev/step"
+# Once a step's result is recorded in the ModelWeights status, its Job is kept
+# this long for `kubectl logs`, then removed by the TTL controller.
+FINISHED_JOB_TTL_S = 600
 WORKER_CONTAINER = "worker"
 # The worker's exit status for input that is wrong (a bad source, no weights, a
 # checkpoint it cannot shard): the same command would fail again, so the Job

@@ -90,6 +90,16 @@ class KubernetesExecutor:
                    for name in diagnosis.storage_classes_to_check(claims)}
         return diagnosis.diagnose(job, pods, claims, classes)
 
+    def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
+        """The artifact is recorded in the status: its Jobs may go (TTL controller)."""
+        for step in steps:
+            try:
+                self.batch.patch_namespaced_job(jobs.job_name(mw, step), mw.metadata.namespace,
+                                                {"spec": {"ttlSecondsAfterFinished": jobs.FINISHED_JOB_TTL_S}})
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
         for message in reversed(self._messages(mw, last)):
             result = jobs.parse_result(message)

