@@ -267,3 +267,63 @@ def test_the_recorded_artifact_is_the_source_of_truth_for_its_spec_only():
     # A record without a manifest digest (an older operator's) proves nothing.
     m.status.artifact.manifest_digest = None
     assert recorded_artifact(m, steps) is None
+
+
+def test_a_retryable_failure_is_retried_with_backoff_then_stalls():
+    from datetime import timedelta
+
+    from ferry_operator.planner import RetryPolicy, RetryStep
+
+    policy = RetryPolicy(limit=2, base_s=10)
+    m = mw(with_("serving", None))
+    fetch, _ = prepare_steps(m.spec)
+    crashed = Observed(steps={fetch.id: StepState(StepPhase.FAILED, "exit code 1: connection reset", retryable=True)})
+
+    p = plan(m, crashed, policy)  # first sight: scheduled, not yet started
+    assert p.actions == [] and conds(p)["Reconciling"] == ("True", "Retrying")
+    assert conds(p).get("Stalled", ("False",))[0] == "False"
+    assert p.status.retry.attempt == 0 and p.status.retry.next_attempt_at is not None
+    reconciling = next(c for c in p.status.conditions if c.type == "Reconciling")
+    assert "connection reset; retry 1 of 2 in 1" in reconciling.message  # 10s (or 9s a moment later)
+    m.status = p.status
+    assert plan(m, crashed, policy).actions == []  # still backing off
+
+    m.status.retry.next_attempt_at -= timedelta(seconds=11)  # the back-off has passed
+    p = plan(m, crashed, policy)
+    assert p.actions == [RetryStep(fetch, 1)] and p.status.retry.attempt == 1
+    m.status = p.status
+    p = plan(m, crashed, policy)  # the retry failed too: the next one waits twice as long
+    assert p.actions == [] and p.status.retry.attempt == 1
+    assert 19 <= (p.status.retry.next_attempt_at - p.status.conditions[0].last_transition_time).total_seconds() <= 21
+    m.status = p.status
+    m.status.retry.next_attempt_at -= timedelta(seconds=21)
+    p = plan(m, crashed, policy)
+    assert p.actions == [RetryStep(fetch, 2)]
+    m.status = p.status
+
+    p = plan(m, crashed, policy)  # out of retries
+    assert p.actions == [] and conds(p)["Stalled"] == ("True", "FetchFailed")
+    stalled = next(c for c in p.status.conditions if c.type == "Stalled")
+    assert "(after 2 retries)" in stalled.message and "ferry.dev/requested-at" in stalled.message
+    m.status = p.status
+
+    # The annotation asks for a retry at once, with a fresh budget...
+    p = plan(m, Observed(steps=crashed.steps, requested_at="1764583200"), policy)
+    assert p.actions == [RetryStep(fetch, 1)] and p.status.last_handled_requested_at == "1764583200"
+    m.status = p.status
+    # ...once per new value; a success ends the retries.
+    p = plan(m, Observed(steps={fetch.id: StepState(StepPhase.SUCCEEDED)}, requested_at="1764583200"), policy)
+    assert not any(isinstance(a, RetryStep) for a in p.actions) and p.status.retry is None
+
+
+def test_a_failure_that_waits_on_a_fix_is_not_retried_but_the_annotation_retries_it():
+    from ferry_operator.planner import RetryStep
+
+    m = mw(with_("serving", None))
+    fetch, _ = prepare_steps(m.spec)
+    bad = Observed(steps={fetch.id: StepState(StepPhase.FAILED, "no weights under s3://x", "WorkerFailed")})
+    p = plan(m, bad)
+    assert p.actions == [] and conds(p)["Stalled"] == ("True", "WorkerFailed") and p.status.retry is None
+    m.status = p.status
+    p = plan(m, Observed(steps=bad.steps, requested_at="now"))
+    assert p.actions == [RetryStep(fetch, 1)] and conds(p)["Stalled"][0] == "False"

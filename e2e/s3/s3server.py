@@ -36,13 +36,14 @@ def _free_port(host: str) -> int:
 
 
 class S3Server:
-    def __init__(self, root: Path, backend: str = "fs", host: str = "127.0.0.1") -> None:
+    def __init__(self, root: Path, backend: str = "fs", host: str = "127.0.0.1", port: int | None = None) -> None:
         # host: loopback, or an address on the local cluster's bridge for pods.
         if backend not in ("fs", "mem"):
             raise ValueError(f"backend must be fs or mem, not {backend!r}")
         self.root = root
         self.backend = backend
         self.host = host
+        self.port = port  # None: any free one
         self.endpoint = ""
         self._process: subprocess.Popen | None = None
 
@@ -58,7 +59,7 @@ class S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
         log = self.root / "server.log"
         for _ in range(3):  # another process may take the port between probe and bind
-            port = _free_port(self.host)
+            port = self.port or _free_port(self.host)
             argv = [binary, "-host", f"{self.host}:{port}", "-backend", self.backend]
             if self.backend == "fs":
                 argv += ["-fs.path", str(self.root / "data"), "-fs.create"]

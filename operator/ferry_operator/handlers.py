@@ -20,12 +20,15 @@ from .api.types import GROUP, PLURAL, VERSION, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
 from .events import Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
-from .planner import (ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, blocked, plan,
-                      recorded_artifact)
+from .planner import (ArtifactFacts, Observed, PatchDeployment, RetryPolicy, RetryStep, StartStep, StepPhase,
+                      StepState, blocked, plan, recorded_artifact)
 from .serving import DeploymentFacts
 from .steps import Step, UnsupportedSpec, prepare_steps
 
 RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
+RETRIES = RetryPolicy(limit=int(os.environ.get("FERRY_RETRY_LIMIT", "3")),
+                      base_s=float(os.environ.get("FERRY_RETRY_BACKOFF_S", "30")))
+REQUESTED_AT = "ferry.dev/requested-at"
 log = logging.getLogger("ferry_operator")
 
 
@@ -33,6 +36,7 @@ class Executor(Protocol):
     def start(self, mw: ModelWeights, uid: str, step: Step) -> None: ...
     def observe(self, mw: ModelWeights, step: Step) -> StepState: ...
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None: ...
+    def retry(self, mw: ModelWeights, step: Step) -> None: ...
 
 
 def make_executor() -> Executor:
@@ -113,11 +117,12 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     """The status fields the operator owns, as a merge patch; empty if nothing changed."""
     new = after.model_dump(by_alias=True, mode="json", exclude_none=True)
     patch: dict[str, Any] = {}
-    for key in ("observedGeneration", "phase", "conditions", "artifact"):
+    for key in ("observedGeneration", "phase", "conditions", "artifact", "retry", "lastHandledRequestedAt"):
         if key in new and new[key] != before.get(key):
             patch[key] = new[key]
-    if "progress" in before and after.progress is None:
-        patch["progress"] = None
+    for key in ("progress", "retry"):  # cleared: null removes it (merge patch)
+        if key in before and key not in new:
+            patch[key] = None
     return patch
 
 
@@ -134,7 +139,7 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
         _post(body, transitions(before, status, []))
         patch.status.update(_status_patch(raw_status, status))
         return
-    actions: list[StartStep | PatchDeployment] = []
+    actions: list[StartStep | RetryStep | PatchDeployment] = []
     try:
         status = _reconcile(mw, namespace, name, uid, steps, actions)
     except ApiException as exc:
@@ -162,7 +167,7 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
-               done: list[StartStep | PatchDeployment]) -> ModelWeightsStatus:
+               done: list[StartStep | RetryStep | PatchDeployment]) -> ModelWeightsStatus:
     """Observe, plan, act; the status the planner computed. `done` collects the
     actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
@@ -178,8 +183,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         steps=step_states,
         artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
         deployments={r.name: read_deployment(namespace, r.name) for r in refs},
+        requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
     )
-    result = plan(mw, observed)
+    result = plan(mw, observed, RETRIES)
     if recorded is None and result.status.artifact is not None and result.status.artifact.spec_digest:
         # Recorded from now on: the executor may let the steps' Jobs expire.
         finished = getattr(EXECUTOR, "finished", None)
@@ -189,6 +195,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         if isinstance(action, StartStep):
             log.info("%s/%s: starting step %s", namespace, name, action.step.id)
             EXECUTOR.start(mw, uid, action.step)
+        elif isinstance(action, RetryStep):
+            log.info("%s/%s: retrying step %s (retry %d)", namespace, name, action.step.id, action.attempt)
+            EXECUTOR.retry(mw, action.step)
         elif isinstance(action, PatchDeployment):
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,

@@ -7,9 +7,10 @@ tested without a cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 
-from .api.types import Artifact, Condition, ConditionType, ModelWeights, ModelWeightsStatus
+from .api.types import Artifact, Condition, ConditionType, ModelWeights, ModelWeightsStatus, StepRetry
 from .conditions import get_condition, now, phase_of, set_condition
 from .serving import DeploymentFacts, ServingError, deployment_patch
 from .steps import Step, UnsupportedSpec, prepare_steps
@@ -31,6 +32,9 @@ class StepState:
     phase: StepPhase
     message: str = ""
     reason: str = ""
+    # A FAILED step that may succeed if run again (a crash, a network error);
+    # not one that rejected its input or waits on a fix (a missing Secret).
+    retryable: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,32 @@ class Observed:
     steps: dict[str, StepState] = field(default_factory=dict)  # by Step.id
     artifact: ArtifactFacts | None = None  # the artifact of the current spec, once complete
     deployments: dict[str, DeploymentFacts | None] = field(default_factory=dict)  # None: not found
+    requested_at: str | None = None  # the ferry.dev/requested-at annotation
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Failed steps are retried `limit` times, `base_s` * 2**n apart (capped)."""
+
+    limit: int = 3
+    base_s: float = 30.0
+    cap_s: float = 600.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.cap_s, self.base_s * (2 ** attempt))
 
 
 @dataclass(frozen=True)
 class StartStep:
     step: Step
+
+
+@dataclass(frozen=True)
+class RetryStep:
+    """Clear a failed step's run (its Job, its worker state) so it starts again."""
+
+    step: Step
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -62,7 +87,7 @@ class PatchDeployment:
 
 @dataclass
 class Plan:
-    actions: list[StartStep | PatchDeployment]
+    actions: list[StartStep | RetryStep | PatchDeployment]
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
@@ -85,11 +110,15 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def plan(mw: ModelWeights, observed: Observed) -> Plan:
+def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolicy()) -> Plan:
     generation = mw.metadata.generation or 0
     status = (mw.status or ModelWeightsStatus()).model_copy(deep=True)
     conditions: list[Condition] = list(status.conditions)
     at = now()
+    # A new value of the annotation is a human asking for a retry now.
+    requested = bool(observed.requested_at) and observed.requested_at != status.last_handled_requested_at
+    if observed.requested_at:
+        status.last_handled_requested_at = observed.requested_at
 
     def cond(t: ConditionType, value: bool | None, reason: str, message: str) -> None:
         nonlocal conditions
@@ -103,18 +132,52 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
         cond(ConditionType.READY, False, "UnsupportedSpec", str(exc))
         return _finish(status, conditions, generation, None, [], None)
 
-    actions: list[StartStep] = []
+    def clear_stalled() -> None:
+        # A Stalled left by an earlier failure or generation ends once work moves again.
+        if get_condition(conditions, ConditionType.STALLED) is not None:
+            cond(ConditionType.STALLED, False, "Progressing", "")
+
+    if status.retry is not None and status.retry.step not in {s.id for s in steps}:
+        status.retry = None  # a retry of a superseded spec's step
+    actions: list[StartStep | RetryStep] = []
     running: str | None = None
     waiting_state = StepState(StepPhase.NOT_STARTED)
     for step in steps:
         state = observed.steps.get(step.id, StepState(StepPhase.NOT_STARTED))
+        retry = status.retry if status.retry is not None and status.retry.step == step.id else None
         if state.phase == StepPhase.SUCCEEDED:
+            if retry is not None:
+                status.retry = None  # it went through
             if step.name == "fetch":
                 cond(ConditionType.DOWNLOADED, True, "Fetched", "weights fetched and verified")
             continue
         if state.phase == StepPhase.FAILED:
             message = f"{step.name} failed: {state.message}".strip()
             reason = state.reason or f"{step.name.capitalize()}Failed"
+            attempt = 0 if requested or retry is None else retry.attempt
+            if requested or (state.retryable and attempt < retries.limit):
+                due = None if requested or retry is None else retry.next_attempt_at
+                if due is None and not requested:
+                    # First sight of this failure: schedule the retry.
+                    due = at + timedelta(seconds=retries.delay(attempt))
+                    status.retry = StepRetry(step=step.id, attempt=attempt, last_error=message[:2048],
+                                             next_attempt_at=due)
+                if requested or at >= due:
+                    status.retry = StepRetry(step=step.id, attempt=attempt + 1, last_error=message[:2048])
+                    actions.append(RetryStep(step, attempt + 1))
+                    wait = f"retry {attempt + 1} of {retries.limit} starting"
+                else:
+                    wait = f"retry {attempt + 1} of {retries.limit} in {max(0, int((due - at).total_seconds()))}s"
+                clear_stalled()
+                text = f"{message}; {wait}"
+                cond(ConditionType.RECONCILING, True, "Retrying", text)
+                cond(ConditionType.READY, False, "Retrying", text)
+                cond(ConditionType.PREPARED, False, "Retrying", text)
+                return _finish(status, conditions, generation, None, actions, step.name, requeue=1.0)
+            if retry is not None and retry.attempt:
+                message += f" (after {retry.attempt} {'retry' if retry.attempt == 1 else 'retries'})"
+            if state.retryable or retry is not None:
+                message += f"; to retry: kubectl annotate mw/{mw.metadata.name} ferry.dev/requested-at=$(date +%s)"
             cond(ConditionType.STALLED, True, reason, message)
             cond(ConditionType.RECONCILING, False, "Failed", message)
             cond(ConditionType.READY, False, reason, message)
@@ -127,10 +190,6 @@ def plan(mw: ModelWeights, observed: Observed) -> Plan:
         running, waiting_state = step.name, state
         break
 
-    def clear_stalled() -> None:
-        # A Stalled left by an earlier failure or generation ends once work moves again.
-        if get_condition(conditions, ConditionType.STALLED) is not None:
-            cond(ConditionType.STALLED, False, "Progressing", "")
 
     if running is not None:
         clear_stalled()
@@ -223,7 +282,8 @@ def blocked(status: ModelWeightsStatus | None, generation: int, reason: str, mes
 
 
 def _finish(status: ModelWeightsStatus, conditions: list[Condition], generation: int, artifact: Artifact | None,
-            actions: list[StartStep | PatchDeployment], running: str | None, requeue: float | None = None) -> Plan:
+            actions: list[StartStep | RetryStep | PatchDeployment], running: str | None,
+            requeue: float | None = None) -> Plan:
     status.conditions = sorted(conditions, key=lambda c: c.type)
     status.observed_generation = generation
     status.phase = phase_of(status.conditions, running)

@@ -512,6 +512,15 @@ class Artifact(Model):
     )
 
 
+class StepRetry(Model):
+    """The retries of a failed prepare step (exponential backoff, bounded)."""
+
+    step: str = Field(max_length=128, description="The step (name-digest) being retried.")
+    attempt: int = Field(0, ge=0, description="Retries started so far; the first run is not counted.")
+    last_error: str = Field("", max_length=2048, description="Why the last attempt failed.")
+    next_attempt_at: datetime | None = Field(None, description="When the next retry starts; unset once it has.")
+
+
 class ModelWeightsStatus(Model):
     """Observed state, following Kubernetes API conventions and kstatus."""
 
@@ -527,6 +536,12 @@ class ModelWeightsStatus(Model):
     )
     progress: Progress | None = Field(None, description="Progress of the running step.")
     artifact: Artifact | None = Field(None, description="The prepared artifact.")
+    retry: StepRetry | None = Field(None, description="Retries of the failed step, while there is one.")
+    last_handled_requested_at: str | None = Field(
+        None, max_length=64,
+        description="The last value of the ferry.dev/requested-at annotation the operator acted on (set it to "
+                    "anything new, e.g. $(date +%s), to retry a failed step at once).",
+    )
 
 
 class ObjectMeta(BaseModel):

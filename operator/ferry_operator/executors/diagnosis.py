@@ -220,20 +220,20 @@ def diagnose(job: Mapping[str, Any], pods: list[Mapping[str, Any]],
 
 
 def _job_failed(job: Mapping[str, Any], cond: Mapping[str, Any], failed: list[Mapping[str, Any]]) -> StepState:
-    ns, name = _meta(job).get("namespace"), _meta(job).get("name")
-    retry = f"fix the cause, then delete Job {ns}/{name} to run the step again"
     reason = cond.get("reason") or ""
     if not failed:
         detail = cond.get("message") or reason or "the Job failed"
-        return StepState(StepPhase.FAILED, f"{detail} ({retry})", reason=WORKER_FAILED)
+        return StepState(StepPhase.FAILED, detail, reason=WORKER_FAILED, retryable=True)
     what = _pod_failure(job, failed[-1])
     if reason == "PodFailurePolicy":
-        how = "the worker rejected its input, so the Job did not retry"
-    elif reason == "BackoffLimitExceeded":
+        # Running it again as it is would fail the same way: fix the input first.
+        return StepState(StepPhase.FAILED, f"{what}; the worker rejected its input, so the Job did not retry",
+                         reason=WORKER_FAILED)
+    if reason == "BackoffLimitExceeded":
         how = f"all {len(failed)} attempts failed" if len(failed) > 1 else "the attempt failed"
     else:
         how = cond.get("message") or reason
-    return StepState(StepPhase.FAILED, f"{what}; {how}; {retry}", reason=WORKER_FAILED)
+    return StepState(StepPhase.FAILED, f"{what}; {how}", reason=WORKER_FAILED, retryable=True)
 
 
 def _worker_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:

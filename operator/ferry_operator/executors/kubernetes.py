@@ -80,6 +80,8 @@ class KubernetesExecutor:
         job = _read(self.batch.read_namespaced_job, jobs.job_name(mw, step), ns)
         if job is None:
             return StepState(StepPhase.NOT_STARTED)
+        if job["metadata"].get("deletionTimestamp"):
+            return StepState(StepPhase.RUNNING, "the failed attempt's Job is being removed", reason="Retrying")
         if any(c.get("type") == "Complete" and c.get("status") == "True"
                for c in (job.get("status") or {}).get("conditions") or []):
             return StepState(StepPhase.SUCCEEDED)
@@ -89,6 +91,16 @@ class KubernetesExecutor:
         classes = {name: _read(self.storage.read_storage_class, name) is not None
                    for name in diagnosis.storage_classes_to_check(claims)}
         return diagnosis.diagnose(job, pods, claims, classes)
+
+    def retry(self, mw: ModelWeights, step: Step) -> None:
+        """Remove the failed Job and its pods (foreground): once it is gone the
+        step is NotStarted and the planner starts it again, under the same name."""
+        try:
+            self.batch.delete_namespaced_job(jobs.job_name(mw, step), mw.metadata.namespace,
+                                             propagation_policy="Foreground")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
         """The artifact is recorded in the status: its Jobs may go (TTL controller)."""

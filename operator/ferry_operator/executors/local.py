@@ -45,13 +45,18 @@ class LocalExecutor:
             rc = int(rc_file.read_text())
             if rc == 0:
                 return StepState(StepPhase.SUCCEEDED)
-            return StepState(StepPhase.FAILED, _last_error(state / "log", rc))
+            # Exit 2: the worker rejected its input; running it again would not help.
+            return StepState(StepPhase.FAILED, _last_error(state / "log", rc), retryable=rc != 2)
         pid_file = state / "pid"
         if not pid_file.exists():
             return StepState(StepPhase.NOT_STARTED)
         if _alive(int(pid_file.read_text())):
             return StepState(StepPhase.RUNNING)
-        return StepState(StepPhase.FAILED, "worker process exited without recording a status")
+        return StepState(StepPhase.FAILED, "worker process exited without recording a status", retryable=True)
+
+    def retry(self, mw: ModelWeights, step: Step) -> None:
+        """Forget the failed run: the step is NotStarted again (its outputs stay, so the worker resumes)."""
+        shutil.rmtree(self._state(mw.metadata.namespace, mw.metadata.name, step.id), ignore_errors=True)
 
     def start(self, mw: ModelWeights, uid: str, step: Step) -> None:
         namespace, name = mw.metadata.namespace, mw.metadata.name
