@@ -1,12 +1,14 @@
 """The local executor: prepare steps as processes on the operator's own host.
 
 Artifacts go to ROOT/<namespace>/<name>/<spec-digest>/artifact (staging beside
-it); each step's pid, log and exit code live in ROOT/<namespace>/<name>/.steps/
-so the state survives an operator restart. Used by `make demo` and the tests,
+it); each step's lock, pid, log and exit code live in
+ROOT/<namespace>/<name>/.steps/<step-id>/ so the state survives an operator
+restart, and `.steps/<step-id>.launches` counts the workers ever started. Used by `make demo` and the tests,
 with a local control plane, so the whole main job runs on one machine.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -41,6 +43,10 @@ class LocalExecutor:
     def observe(self, mw: ModelWeights, step: Step) -> StepState:
         state = self._state(mw.metadata.namespace, mw.metadata.name, step.id)
         rc_file = state / "rc"
+        if _held(state / "lock"):
+            # The runner (or the worker) holds the lock the operator took before
+            # launching it: running, whoever started it and whenever.
+            return StepState(StepPhase.RUNNING)
         if rc_file.exists():
             rc = int(rc_file.read_text())
             if rc == 0:
@@ -63,11 +69,18 @@ class LocalExecutor:
         state = self._state(namespace, name, step.id)
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
+        # Restart safety: the lock is taken before the worker exists and handed
+        # to it, so there is no moment at which a worker runs unseen. Killed
+        # before the launch, the lock dies with the operator and the step is
+        # simply NotStarted again.
+        lock = open(state / "lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         paths = self._paths(namespace, name, step.digest)
         # The worker resolves file://, hf:// and s3:// itself; pvc:// only exists in a cluster.
         if mw.spec.source.uri.startswith("pvc://"):
             (state / "log").write_text("pvc:// sources need the kubernetes executor\n")
             (state / "rc").write_text("2")
+            lock.close()
             return
         mapping = {"source": mw.spec.source.uri, **{k: str(v) for k, v in paths.items()}}
         argv = [self.ferry_bin, *(a.format(**mapping) for a in step.argv)]
@@ -75,12 +88,14 @@ class LocalExecutor:
         if self.kubeconfig:
             env["KUBECONFIG"] = self.kubeconfig
         (state / "argv.json").write_text(json.dumps(argv))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ferry_operator.executors.local_runner", str(state), "--", *argv],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        (state / "pid").write_text(str(proc.pid))
+        with lock:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ferry_operator.executors.local_runner", str(state),
+                 "--lock-fd", str(lock.fileno()), "--", *argv],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, pass_fds=(lock.fileno(),),
+            )
+            (state / "pid").write_text(str(proc.pid))
 
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
         directory = self._paths(mw.metadata.namespace, mw.metadata.name, last.digest)["artifact"]
@@ -97,6 +112,21 @@ class LocalExecutor:
 
     def delete(self, mw: ModelWeights) -> None:
         shutil.rmtree(self._dir(mw.metadata.namespace, mw.metadata.name), ignore_errors=True)
+
+
+def _held(lock: Path) -> bool:
+    """Whether a live process holds the step's lock."""
+    try:
+        handle = open(lock)
+    except FileNotFoundError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
 
 
 def _alive(pid: int) -> bool:
