@@ -11,6 +11,10 @@ local executor, on this machine.
    per rank on the CPU, and wires the Deployment: flags, read-only mount,
    digest annotation, rollout; you watch `kubectl get mw` until Ready;
 5. `ferry verify` re-checks the artifact; a bad spec is refused at admission.
+
+The operator keeps running in the background afterwards (pid and log under
+.ferry/), so `kubectl edit mw/tiny-llama -n ferry-demo` makes Ferry prepare
+the new artifact and roll the Deployment; `make cluster-down` stops it all.
 """
 from __future__ import annotations
 
@@ -36,8 +40,26 @@ DEMO_LLAMA = ModelCase("demo-llama", _llama_like(
     num_attention_heads=8, num_key_value_heads=2, vocab_size=32000), "BF16", files=2)
 
 DEMO = localcluster.STATE / "demo"
+OPERATOR_PID = localcluster.STATE / "operator.pid"
+OPERATOR_LOG = localcluster.STATE / "operator.log"
 NAMESPACE = "ferry-demo"
 BIN = Path(sys.executable).parent
+
+
+def start_operator() -> int:
+    """`ferry-operator run` in the background, its pid and log under .ferry/ (`make cluster-down` stops it)."""
+    env = {**os.environ, "KUBECONFIG": str(localcluster.KUBECONFIG), "FERRY_EXECUTOR": "local",
+           "FERRY_LOCAL_ROOT": str(DEMO / "artifacts"), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    with open(OPERATOR_LOG, "ab") as log:
+        proc = subprocess.Popen([str(BIN / "ferry-operator"), "run", "--standalone", "--namespace", NAMESPACE],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    OPERATOR_PID.write_text(str(proc.pid))
+    return proc.pid
+
+
+def stop_operator() -> None:
+    localcluster.stop_pid_file(OPERATOR_PID)
 
 
 def step(title: str) -> None:
@@ -118,43 +140,48 @@ def main() -> None:
         print(f"  {f.name:40s} {f.stat().st_size:>12,d} bytes")
 
     step("The operator, with the local executor (prepare steps run as processes here)")
+    stop_operator()  # a previous demo's
+    kubectl("delete", "mw", "--all", "-n", NAMESPACE, "--wait=false", check=False, quiet=True)
+    for mw in json.loads(kubectl("get", "mw", "-n", NAMESPACE, "-o", "json", quiet=True))["items"]:
+        # Without an operator nobody lifts kopf's finalizer of a previous demo's object.
+        kubectl("patch", "mw", mw["metadata"]["name"], "-n", NAMESPACE, "--type=merge",
+                "-p", '{"metadata":{"finalizers":null}}', check=False, quiet=True)
     shutil.rmtree(DEMO / "artifacts", ignore_errors=True)  # every demo prepares from scratch
-    log = open(DEMO / "operator.log", "ab")
-    env = {**os.environ, "KUBECONFIG": str(localcluster.KUBECONFIG), "FERRY_EXECUTOR": "local",
-           "FERRY_LOCAL_ROOT": str(DEMO / "artifacts"), "PATH": f"{BIN}:{os.environ['PATH']}"}
-    operator = subprocess.Popen([str(BIN / "ferry-operator"), "run", "--standalone", "--namespace", NAMESPACE],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    print(f"  ferry-operator run (pid {operator.pid}, log {DEMO / 'operator.log'})")
-    try:
-        step("A vLLM Deployment, and ModelWeights: sharded_state, tensor-parallel 2, for it")
-        kubectl("apply", "-f", "-", input=json.dumps(deployment()))
-        kubectl("apply", "-f", "-", input=json.dumps(modelweights(source)))
-        step("Fetch -> verify -> pre-shard per rank -> wire the Deployment (kubectl get mw)")
-        status = watch_until_ready()
-        print(json.dumps(status["artifact"], indent=2))
-        step("What the Deployment now runs")
-        dep = json.loads(kubectl("get", "deploy", "tiny-llama-vllm", "-n", NAMESPACE, "-o", "json", quiet=True))
-        container = dep["spec"]["template"]["spec"]["containers"][0]
-        print("  args:", " ".join(container["args"]))
-        print("  mounts:", json.dumps(container["volumeMounts"]))
-        print("  annotation:", dep["spec"]["template"]["metadata"]["annotations"])
-        kubectl("rollout", "status", "deploy/tiny-llama-vllm", "-n", NAMESPACE, "--timeout=60s")
-        step("The artifact: one file set per rank, verified against its manifest")
-        artifact = Path(status["artifact"]["uri"].removeprefix("file://"))
-        for f in sorted(artifact.iterdir()):
-            print(f"  {f.name:45s} {f.stat().st_size:>12,d} bytes")
-        subprocess.run([str(BIN / "ferry"), "verify", str(artifact)], check=True)
-        step("A bad spec is refused at admission, naming the field")
-        bad = modelweights(source)
-        bad["metadata"]["name"] = "bad"
-        bad["spec"]["format"] = {"type": "tensorizer"}
-        kubectl("create", "-f", "-", input=json.dumps(bad), check=False)
-    finally:
-        kubectl("delete", "mw", "--all", "-n", NAMESPACE, "--timeout=60s", check=False, quiet=True)
-        operator.terminate()
-        operator.wait(timeout=20)
-    print(f"\nDone. The cluster keeps running: export KUBECONFIG={localcluster.KUBECONFIG}; "
-          "stop it with `make cluster-down`.")
+    pid = start_operator()
+    print(f"  ferry-operator run (pid {pid}, log {OPERATOR_LOG}); it keeps running after the demo")
+
+    step("A vLLM Deployment, and ModelWeights: sharded_state, tensor-parallel 2, for it")
+    kubectl("apply", "-f", "-", input=json.dumps(deployment()))
+    kubectl("apply", "-f", "-", input=json.dumps(modelweights(source)))
+    step("Fetch -> verify -> pre-shard per rank -> wire the Deployment (kubectl get mw)")
+    status = watch_until_ready()
+    print(json.dumps(status["artifact"], indent=2))
+    step("What the Deployment now runs")
+    dep = json.loads(kubectl("get", "deploy", "tiny-llama-vllm", "-n", NAMESPACE, "-o", "json", quiet=True))
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    print("  args:", " ".join(container["args"]))
+    print("  mounts:", json.dumps(container["volumeMounts"]))
+    print("  annotation:", dep["spec"]["template"]["metadata"]["annotations"])
+    kubectl("rollout", "status", "deploy/tiny-llama-vllm", "-n", NAMESPACE, "--timeout=60s")
+    step("The artifact: one file set per rank, verified against its manifest")
+    artifact = Path(status["artifact"]["uri"].removeprefix("file://"))
+    for f in sorted(artifact.iterdir()):
+        print(f"  {f.name:45s} {f.stat().st_size:>12,d} bytes")
+    subprocess.run([str(BIN / "ferry"), "verify", str(artifact)], check=True)
+    step("A bad spec is refused at admission, naming the field")
+    bad = modelweights(source)
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["format"] = {"type": "tensorizer"}
+    cmd = [localcluster.kubectl_path(), "--kubeconfig", str(localcluster.KUBECONFIG), "create", "-f", "-"]
+    print("$ kubectl create -f -  # format.type tensorizer without storage.s3")
+    refused = subprocess.run(cmd, input=json.dumps(bad), text=True, capture_output=True)
+    print(refused.stdout + refused.stderr, end="")
+    if refused.returncode == 0 or "spec.storage.s3" not in refused.stderr:
+        raise SystemExit("the bad spec was not refused at admission with the field named")
+    print(f"\nDone. The cluster and the operator keep running (pid {pid}, log {OPERATOR_LOG}):\n"
+          f"  export KUBECONFIG={localcluster.KUBECONFIG}\n"
+          f"  kubectl edit mw/tiny-llama -n {NAMESPACE}   # e.g. tensorParallelSize: 4: Ferry re-prepares and rolls\n"
+          "Stop everything with `make cluster-down`.")
 
 
 if __name__ == "__main__":

@@ -406,6 +406,8 @@ class Cluster:
         raise SystemExit(f"timed out after {timeout}s waiting for {what}; logs in {self.logs}")
 
     def down(self, quiet: bool = False) -> None:
+        # The demo's operator first (it talks to this cluster), then the cluster.
+        stop_pid_file(STATE / "operator.pid")
         if self.pids_file.exists():
             pids = json.loads(self.pids_file.read_text())
             for pid in reversed(list(pids.values())):
@@ -421,6 +423,16 @@ class Cluster:
         KUBECONFIG.unlink(missing_ok=True)
         if not quiet:
             print("local cluster down")
+
+
+def stop_pid_file(path: Path) -> None:
+    """Stop the process (group) whose pid a file records, and remove the file."""
+    if path.exists():
+        try:
+            _kill(int(path.read_text()))
+        except ValueError:
+            pass
+        path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
