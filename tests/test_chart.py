@@ -174,3 +174,18 @@ def test_rbac_matrix(installed, who, verb, resource, ns, allowed):
     answer = proc.stdout.strip()
     assert answer in ("yes", "no"), proc.stderr
     assert (answer == "yes") is allowed, f"{who} {verb} {resource} in {ns}: {answer}"
+
+
+@pytest.mark.helm
+def test_metrics_service_by_default_and_a_service_monitor_on_request(helm):
+    docs = render(helm)
+    (svc,) = [d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-metrics")]
+    assert svc["spec"]["ports"][0]["port"] == 9090
+    (dep,) = by_kind(docs, "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "FERRY_METRICS_BIND", "value": "0.0.0.0:9090"} in c["env"]
+    assert by_kind(docs, "ServiceMonitor") == []
+    (monitor,) = by_kind(render(helm, "metrics.serviceMonitor.enabled=true"), "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    off = render(helm, "metrics.enabled=false")
+    assert not [d for d in by_kind(off, "Service") if d["metadata"]["name"].endswith("-metrics")]

@@ -10,15 +10,17 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from . import metrics
 from .api.types import GROUP, PLURAL, VERSION, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
-from .events import Event, transitions
+from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
 from .planner import (ArtifactFacts, Observed, PatchDeployment, RetryPolicy, RetryStep, StartStep, StepPhase,
                       StepState, blocked, plan, recorded_artifact)
@@ -79,6 +81,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         kubernetes.config.load_kube_config()
     APPS = kubernetes.client.AppsV1Api()
     EXECUTOR = make_executor()
+    if os.environ.get("FERRY_METRICS_BIND"):
+        metrics.serve(os.environ["FERRY_METRICS_BIND"])
     # Keep kopf's bookkeeping in annotations: status belongs to the API's schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="ferry.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -128,6 +132,16 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
 def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch, **_: Any) -> None:
+    started = time.monotonic()
+    result = "error"
+    try:
+        result = _reconcile_and_report(body, namespace, name, uid, patch)
+    finally:
+        metrics.RECONCILES.labels(result).inc()
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch) -> str:
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
     try:
@@ -136,15 +150,17 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
     except (InvalidSpec, UnsupportedSpec) as exc:
         before = _parse_status(raw_status)
         status = blocked(before, body["metadata"].get("generation", 0), type(exc).__name__, str(exc))
-        _post(body, transitions(before, status, []))
+        _report(body, uid, None, transitions(before, status, []), status)
         patch.status.update(_status_patch(raw_status, status))
-        return
+        return "ok"
     actions: list[StartStep | RetryStep | PatchDeployment] = []
+    result = "ok"
     try:
         status = _reconcile(mw, namespace, name, uid, steps, actions)
     except ApiException as exc:
         if exc.status != 403:  # kopf logs it and retries
             raise
+        result = "forbidden"
         # A permission the operator lacks (or a quota, an admission webhook):
         # say which, keep the timer going, converge once it is granted.
         message = forbidden(exc.body, str(exc))
@@ -152,14 +168,26 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
         if not any(c.get("type") == "Stalled" and c.get("message") == message for c in previous):
             log.warning("%s/%s: %s", namespace, name, message)
         status = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message)
-    _post(body, transitions(mw.status, status, actions))
+    _report(body, uid, mw, transitions(mw.status, status, actions), status, steps)
     patch.status.update(_status_patch(raw_status, status))
+    return result
 
 
-def _post(body: kopf.Body, events: list[Event]) -> None:
-    """Core Events on the ModelWeights (kopf posts them in the background)."""
+def _report(body: kopf.Body, uid: str, mw: ModelWeights | None, events: list[Event], status: ModelWeightsStatus,
+            steps: list[Step] = ()) -> None:
+    """Core Events on the ModelWeights (kopf posts them in the background), and metrics."""
     for e in events:
         kopf.event(body, type=e.type, reason=e.reason, message=e.message[:1024])
+        if e.type == WARNING and e.reason != "StepRetrying":
+            metrics.ERRORS.labels(e.reason).inc()
+        if e.reason == "ArtifactReady" and steps and mw is not None:
+            size = status.artifact.total_bytes if status.artifact else 0
+            metrics.STEP_BYTES.labels(steps[-1].name, _format(mw)).inc(size)
+    metrics.phase(uid, getattr(status.phase, "value", status.phase))
+
+
+def _format(mw: ModelWeights) -> str:
+    return getattr(mw.spec.format.type, "value", mw.spec.format.type)
 
 
 def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
@@ -186,6 +214,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
     )
     result = plan(mw, observed, RETRIES)
+    for step in steps:
+        if step_states[step.id].phase == StepPhase.SUCCEEDED:
+            metrics.step_succeeded(step.id, step.name, _format(mw))
     if recorded is None and result.status.artifact is not None and result.status.artifact.spec_digest:
         # Recorded from now on: the executor may let the steps' Jobs expire.
         finished = getattr(EXECUTOR, "finished", None)
@@ -195,6 +226,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         if isinstance(action, StartStep):
             log.info("%s/%s: starting step %s", namespace, name, action.step.id)
             EXECUTOR.start(mw, uid, action.step)
+            metrics.step_started(action.step.id)
         elif isinstance(action, RetryStep):
             log.info("%s/%s: retrying step %s (retry %d)", namespace, name, action.step.id, action.attempt)
             EXECUTOR.retry(mw, action.step)
@@ -211,8 +243,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
 # out by garbage collection of the claim's owner reference; the local executor
 # removes its directory here.
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def delete(body: kopf.Body, **_: Any) -> None:
+def delete(body: kopf.Body, uid: str, **_: Any) -> None:
     assert EXECUTOR is not None
+    metrics.phase(uid, None)
     remove = getattr(EXECUTOR, "delete", None)
     if body.get("spec", {}).get("deletionPolicy") == "Delete" and remove is not None:
         log.info("%s/%s: deletionPolicy Delete: removing prepared data", body["metadata"]["namespace"],

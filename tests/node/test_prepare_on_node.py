@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from cluster_support import wait_for
 from node_support import (NAMESPACE, condition, modelweights, mw_status, operator_pod, s3_secret, unique,
-                      upload_dir, wait_ready)
+                          upload_dir, wait_ready)
 
 REPO = Path(__file__).resolve().parents[2]
 import localcluster  # noqa: E402
@@ -85,7 +87,12 @@ def test_operator_runs_in_a_pod_under_the_charts_service_account(node, chart_ope
     # It reached the API server through the `kubernetes` Service (kube-proxy) with its own token:
     # kopf's startup is in its log.
     logs = node.kubectl("logs", "-n", chart_operator["namespace"], pod["metadata"]["name"]).stdout
-    assert "Ferry" in logs or "kopf" in logs.lower(), logs[-2000:]
+    assert "kopf" in logs.lower(), logs[-2000:]
+    # Its metrics, through the chart's Service: host -> ClusterIP -> kube-proxy -> the pod on the bridge.
+    svc = node.get_json("service", f"{chart_operator['release']}-metrics", "-n", chart_operator["namespace"])
+    url = f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/metrics"
+    text = wait_for(lambda: urllib.request.urlopen(url, timeout=5).read().decode(), "the metrics endpoint")
+    assert "ferry_reconcile_duration_seconds" in text and "ferry_modelweights" in text
 
 
 @pytest.mark.parametrize("fmt,steps", [
