@@ -327,3 +327,38 @@ def test_a_failure_that_waits_on_a_fix_is_not_retried_but_the_annotation_retries
     m.status = p.status
     p = plan(m, Observed(steps=bad.steps, requested_at="now"))
     assert p.actions == [RetryStep(fetch, 1)] and conds(p)["Stalled"][0] == "False"
+
+
+@pytest.mark.parametrize("policy,keep,removed", [("Delete", 1, [[], [0], [1]]), ("Retain", 1, [[], [], [0]]),
+                                                  ("Retain", 2, [[], [], []])])
+def test_superseded_artifacts_are_removed_per_policy_once_ready(policy, keep, removed):
+    from ferry_operator.planner import RemoveArtifact
+
+    m = mw(with_("serving", None, with_("deletionPolicy", policy)))
+    digests = []
+    for i, tp in enumerate((2, 4, 8)):
+        m.spec.format.tensor_parallel_size = tp
+        digests.append(prepare_steps(m.spec)[-1].digest)
+        facts = ArtifactFacts(uri=f"pvc://w/llama/{digests[-1]}/artifact", total_bytes=1,
+                              manifest_digest="sha256:" + f"{i}" * 64)
+        p = plan(m, Observed(steps=prepared(m), artifact=facts), keep_previous=keep)
+        assert conds(p)["Ready"][0] == "True"
+        assert [a.artifact.spec_digest for a in p.actions if isinstance(a, RemoveArtifact)] == \
+            [digests[j] for j in removed[i]]
+        kept = [a.spec_digest for a in p.status.previous_artifacts]
+        assert kept == ([] if policy == "Delete" else digests[:-1][::-1][:keep])
+        m.status = p.status
+
+
+def test_a_superseded_artifact_stays_while_a_deployment_still_serves_it():
+    from ferry_operator.planner import RemoveArtifact
+
+    m = mw(with_("deletionPolicy", "Delete"))
+    first = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-vllm": deployment()}))
+    m.status = first.status
+    m.status.artifact.spec_digest = "0" * 12  # the record of an earlier spec
+    new = ArtifactFacts(uri="pvc://w/llama/new/artifact", total_bytes=1, manifest_digest="sha256:" + "1" * 64)
+    p = plan(m, Observed(steps=prepared(m), artifact=new, deployments={"llama-vllm": deployment(rolled_out=False)}))
+    assert conds(p)["Ready"][0] == "False"
+    assert not any(isinstance(a, RemoveArtifact) for a in p.actions)
+    assert [a.spec_digest for a in p.status.previous_artifacts] == ["0" * 12]  # listed, kept

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Debian packages the real node (containerd, runc, CNI plugins, iptables,
 # conntrack) and the image build (debootstrap, umoci, busybox-static, gcc)
-# need. Installs only what is missing; needs root.
+# need, and libsodium (tensorizer's encryption, via libnacl). Installs only what
+# is missing; needs root.
 set -euo pipefail
-packages=(containerd runc containernetworking-plugins iptables conntrack iproute2 debootstrap debian-archive-keyring umoci busybox-static gcc libc6-dev)
+packages=(containerd runc containernetworking-plugins iptables conntrack iproute2 debootstrap debian-archive-keyring umoci busybox-static gcc libc6-dev libsodium23)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .api.types import ConditionType, ModelWeightsStatus
 from .conditions import get_condition
-from .planner import PatchDeployment, RetryStep, StartStep
+from .planner import PatchDeployment, RemoveArtifact, RetryStep, StartStep
 
 NORMAL, WARNING = "Normal", "Warning"
 
@@ -34,7 +34,7 @@ def _turned(before: ModelWeightsStatus | None, after: ModelWeightsStatus, kind: 
 
 
 def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
-                actions: list[StartStep | RetryStep | PatchDeployment]) -> list[Event]:
+                actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]) -> list[Event]:
     events = []
     if _turned(before, after, ConditionType.DOWNLOADED, "True"):
         events.append(Event(NORMAL, "StepSucceeded", "step fetch succeeded: weights fetched and verified"))
@@ -44,6 +44,9 @@ def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
         elif isinstance(action, RetryStep):
             error = after.retry.last_error if after.retry else ""
             events.append(Event(WARNING, "StepRetrying", f"retry {action.attempt} of step {action.step.name}: {error}"))
+        elif isinstance(action, RemoveArtifact):
+            events.append(Event(NORMAL, "ArtifactRemoved",
+                                f"superseded artifact {action.artifact.uri} removed (deletionPolicy)"))
         elif isinstance(action, PatchDeployment):
             events.append(Event(NORMAL, "DeploymentPatched", f"deployment {action.name} wired to the artifact"))
     if _turned(before, after, ConditionType.PREPARED, "True"):

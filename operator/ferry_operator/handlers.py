@@ -18,12 +18,12 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from . import metrics
-from .api.types import GROUP, PLURAL, VERSION, ModelWeights, ModelWeightsStatus
+from .api.types import GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
 from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
-from .planner import (ArtifactFacts, Observed, PatchDeployment, RetryPolicy, RetryStep, StartStep, StepPhase,
-                      StepState, blocked, plan, recorded_artifact)
+from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
+                      StepPhase, StepState, blocked, plan, recorded_artifact)
 from .serving import DeploymentFacts
 from .steps import Step, UnsupportedSpec, prepare_steps
 
@@ -31,6 +31,8 @@ RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
 RETRIES = RetryPolicy(limit=int(os.environ.get("FERRY_RETRY_LIMIT", "3")),
                       base_s=float(os.environ.get("FERRY_RETRY_BACKOFF_S", "30")))
 REQUESTED_AT = "ferry.dev/requested-at"
+# Superseded artifacts deletionPolicy Retain keeps (the newest ones); older ones are removed.
+KEEP_PREVIOUS = int(os.environ.get("FERRY_RETAIN_PREVIOUS_ARTIFACTS", "1"))
 log = logging.getLogger("ferry_operator")
 
 
@@ -39,6 +41,7 @@ class Executor(Protocol):
     def observe(self, mw: ModelWeights, step: Step) -> StepState: ...
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None: ...
     def retry(self, mw: ModelWeights, step: Step) -> None: ...
+    def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None: ...
 
 
 def make_executor() -> Executor:
@@ -121,7 +124,8 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     """The status fields the operator owns, as a merge patch; empty if nothing changed."""
     new = after.model_dump(by_alias=True, mode="json", exclude_none=True)
     patch: dict[str, Any] = {}
-    for key in ("observedGeneration", "phase", "conditions", "artifact", "retry", "lastHandledRequestedAt"):
+    for key in ("observedGeneration", "phase", "conditions", "artifact", "previousArtifacts", "retry",
+                "lastHandledRequestedAt"):
         if key in new and new[key] != before.get(key):
             patch[key] = new[key]
     for key in ("progress", "retry"):  # cleared: null removes it (merge patch)
@@ -153,7 +157,7 @@ def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, 
         _report(body, uid, None, transitions(before, status, []), status)
         patch.status.update(_status_patch(raw_status, status))
         return "ok"
-    actions: list[StartStep | RetryStep | PatchDeployment] = []
+    actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
     result = "ok"
     try:
         status = _reconcile(mw, namespace, name, uid, steps, actions)
@@ -195,7 +199,7 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
-               done: list[StartStep | RetryStep | PatchDeployment]) -> ModelWeightsStatus:
+               done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]) -> ModelWeightsStatus:
     """Observe, plan, act; the status the planner computed. `done` collects the
     actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
@@ -213,7 +217,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         deployments={r.name: read_deployment(namespace, r.name) for r in refs},
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
     )
-    result = plan(mw, observed, RETRIES)
+    result = plan(mw, observed, RETRIES, KEEP_PREVIOUS)
     for step in steps:
         if step_states[step.id].phase == StepPhase.SUCCEEDED:
             metrics.step_succeeded(step.id, step.name, _format(mw))
@@ -230,6 +234,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         elif isinstance(action, RetryStep):
             log.info("%s/%s: retrying step %s (retry %d)", namespace, name, action.step.id, action.attempt)
             EXECUTOR.retry(mw, action.step)
+        elif isinstance(action, RemoveArtifact):
+            log.info("%s/%s: removing superseded artifact %s", namespace, name, action.artifact.uri)
+            EXECUTOR.remove_artifact(mw, uid, action.artifact)
         elif isinstance(action, PatchDeployment):
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,

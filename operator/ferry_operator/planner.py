@@ -80,6 +80,13 @@ class RetryStep:
 
 
 @dataclass(frozen=True)
+class RemoveArtifact:
+    """Remove a superseded artifact: its data and its Jobs (or worker records)."""
+
+    artifact: Artifact
+
+
+@dataclass(frozen=True)
 class PatchDeployment:
     name: str
     patch: dict
@@ -87,7 +94,7 @@ class PatchDeployment:
 
 @dataclass
 class Plan:
-    actions: list[StartStep | RetryStep | PatchDeployment]
+    actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
@@ -110,7 +117,8 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolicy()) -> Plan:
+def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolicy(), keep_previous: int = 1) -> Plan:
+    """`keep_previous`: how many superseded artifacts deletionPolicy Retain keeps."""
     generation = mw.metadata.generation or 0
     status = (mw.status or ModelWeightsStatus()).model_copy(deep=True)
     conditions: list[Condition] = list(status.conditions)
@@ -262,7 +270,23 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
     cond(ConditionType.RECONCILING, False, "Ready", "")
     cond(ConditionType.READY, True, "Ready",
          "artifact prepared and verified" + ("; serving deployments rolled out" if refs else ""))
-    return _finish(status, conditions, generation, facts, [], None)
+    # Ready: every Deployment serves the current artifact, so superseded ones
+    # may go; Delete removes them all, Retain all but the newest keep_previous.
+    _supersede(status, facts)
+    status.artifact = facts
+    keep = 0 if mw.spec.deletion_policy == "Delete" else keep_previous
+    removals = [RemoveArtifact(a) for a in status.previous_artifacts[keep:]]
+    status.previous_artifacts = status.previous_artifacts[:keep]
+    return _finish(status, conditions, generation, facts, removals, None)
+
+
+def _supersede(status: ModelWeightsStatus, current: Artifact) -> None:
+    """Move the recorded artifact of an earlier spec to previous_artifacts."""
+    old = status.artifact
+    if old is None or old.spec_digest is None or old.spec_digest == current.spec_digest:
+        return
+    if all(a.spec_digest != old.spec_digest for a in status.previous_artifacts):
+        status.previous_artifacts = [old, *status.previous_artifacts][:16]
 
 
 def blocked(status: ModelWeightsStatus | None, generation: int, reason: str, message: str) -> ModelWeightsStatus:
@@ -282,12 +306,13 @@ def blocked(status: ModelWeightsStatus | None, generation: int, reason: str, mes
 
 
 def _finish(status: ModelWeightsStatus, conditions: list[Condition], generation: int, artifact: Artifact | None,
-            actions: list[StartStep | RetryStep | PatchDeployment], running: str | None,
+            actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact], running: str | None,
             requeue: float | None = None) -> Plan:
     status.conditions = sorted(conditions, key=lambda c: c.type)
     status.observed_generation = generation
     status.phase = phase_of(status.conditions, running)
     if artifact is not None:
+        _supersede(status, artifact)  # still served by old pods until Ready: only listed here
         status.artifact = artifact
     if running is None and status.progress is not None and status.phase != "Failed":
         status.progress = None  # the step that reported it is over

@@ -183,3 +183,27 @@ def test_a_wired_deployment_lands_on_the_gpu_node(node, chart_operator, node_s3,
     assert dep["spec"]["template"]["metadata"]["annotations"]["ferry.dev/artifact-digest"] == \
         status["artifact"]["manifestDigest"]
     assert mw_status(node, NAMESPACE, name)["phase"] == "Ready"
+
+
+def test_a_superseded_artifact_is_removed_from_the_claim(node, chart_operator, node_s3, checkpoint):
+    """deletionPolicy Delete: once the new artifact is Ready, the cleanup Job
+    removes the old one's directory from the claim, on the real node."""
+    name = unique("gc")
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "sharded_state", "tensorParallelSize": 2,
+                                                         "vllmVersion": "0.32"}, secret=f"{name}-s3")
+    node.apply(mw)
+    first = wait_ready(node, NAMESPACE, name)
+    claim, _, path = first["artifact"]["uri"].removeprefix("pvc://").partition("/")
+    old_dir = (claim_dir(node, claim) / path).parent
+    assert old_dir.is_dir()
+    mw["spec"]["format"]["tensorParallelSize"] = 4
+    node.apply(mw)
+    wait_for(lambda: (s := mw_status(node, NAMESPACE, name)).get("observedGeneration") == 2
+             and s.get("phase") == "Ready", "generation 2 Ready", timeout=240)
+    wait_for(lambda: not old_dir.exists(), f"{old_dir} removed by the cleanup Job", timeout=90)
+    (gc,) = [p for p in job_pods(node, name) if p["metadata"]["labels"]["ferry.dev/step"] == "gc"]
+    assert gc["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    current = mw_status(node, NAMESPACE, name)["artifact"]["uri"].removeprefix(f"pvc://{claim}/")
+    assert (claim_dir(node, claim) / current / "ferry-manifest.json").is_file()

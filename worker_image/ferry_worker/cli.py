@@ -12,6 +12,7 @@ from pathlib import Path
 from . import __version__
 from .transfer import default_concurrency
 from .shard_cli import add_shard_commands
+from .tensorize.commands import add_endpoint_option, add_tensorize_commands
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="cap on bytes per second over all transfers, e.g. 200M (hf:// excepted)")
     fetch.set_defaults(run=_fetch)
 
-    verify = commands.add_parser("verify", help="re-check every file of a prepared directory against its manifest")
-    verify.add_argument("directory", type=Path, metavar="DIR")
+    verify = commands.add_parser("verify", help="re-check every file of a prepared directory (or S3 prefix) "
+                                                "against its manifest")
+    verify.add_argument("directory", metavar="DIR|s3://bucket/prefix")
+    add_endpoint_option(verify)
     verify.set_defaults(run=_verify)
     add_shard_commands(commands)
+    add_tensorize_commands(commands)
     return ap
 
 
@@ -114,8 +118,10 @@ def is_input_error(error: BaseException) -> bool:
     from .selection import BadIndexError, NoWeightsError
     from .shard_model import ShardError
     from .sources.base import BadSourceError
+    from .tensorize.errors import ArtifactError
 
-    deterministic = (BadSourceError, NoWeightsError, BadIndexError, UnsafePathError, UnsafeSafetensorsError, ShardError)
+    deterministic = (BadSourceError, NoWeightsError, BadIndexError, UnsafePathError, UnsafeSafetensorsError, ShardError,
+                     ArtifactError)
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
@@ -124,7 +130,9 @@ def is_input_error(error: BaseException) -> bool:
             return True
         if _HUB_REFUSALS & {c.__name__ for c in type(e).__mro__}:  # GatedRepoError is a RepositoryNotFoundError
             return True
-        code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code") if type(e).__name__ == "ClientError" else None
+        # botocore raises modeled errors (NoSuchBucket, ...) as ClientError subclasses.
+        is_client_error = "ClientError" in {c.__name__ for c in type(e).__mro__}
+        code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code") if is_client_error else None
         if code in _S3_REFUSALS:
             return True
         e = e.__cause__
@@ -172,9 +180,15 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .manifest import verify
+    if args.directory.startswith("s3://"):
+        from .tensorize.commands import s3_options
+        from .tensorize.verify import verify_artifact
 
-    manifest = verify(args.directory)
+        manifest = verify_artifact(args.directory, s3_options(args))
+    else:
+        from .manifest import verify
+
+        manifest = verify(Path(args.directory))
     log.info("%s: %d files, %d bytes verified", args.directory, len(manifest.files), manifest.total_bytes)
     return 0
 

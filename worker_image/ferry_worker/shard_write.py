@@ -83,12 +83,12 @@ def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[st
 
         emit(header_for(planned))
         for tensor in data_order(planned.tensors):
-            for chunk in _tensor_bytes(tensor, sources, buffers):
+            for chunk in tensor_bytes(tensor, sources, buffers):
                 emit(chunk)
     return FileEntry(planned.name, size, digest.hexdigest())
 
 
-def _tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:
+def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:
     row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
     for piece in tensor.pieces:
         if isinstance(piece, (Rows, Columns)):

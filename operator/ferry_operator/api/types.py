@@ -536,6 +536,11 @@ class ModelWeightsStatus(Model):
     )
     progress: Progress | None = Field(None, description="Progress of the running step.")
     artifact: Artifact | None = Field(None, description="The prepared artifact.")
+    previous_artifacts: list[Artifact] = Field(
+        default_factory=list, max_length=16,
+        description="Artifacts of earlier specs still kept, newest first (deletionPolicy Retain keeps a bounded "
+                    "number; Delete removes them once the current artifact is serving).",
+    )
     retry: StepRetry | None = Field(None, description="Retries of the failed step, while there is one.")
     last_handled_requested_at: str | None = Field(
         None, max_length=64,

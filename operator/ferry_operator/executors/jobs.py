@@ -170,6 +170,41 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
     }
 
 
+def cleanup_job_name(mw: ModelWeights, digest: str) -> str:
+    return dns_name(mw.metadata.name, "gc", digest[:8])
+
+
+def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings) -> dict[str, Any]:
+    """A Job that removes a superseded artifact's directory (staging and artifact) from the claim:
+    the operator never mounts claims itself."""
+    target = f"{WEIGHTS_MOUNT}/{sub_path(mw)}/{digest}"
+    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "gc"}
+    container = {
+        "name": "gc", "image": settings.image, "command": ["rm", "-rf", "--one-file-system", target],
+        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": settings.service_account, "automountServiceAccountToken": False,
+        "restartPolicy": "Never",
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}}],
+    }
+    if settings.node_selector:
+        pod_spec["nodeSelector"] = settings.node_selector
+    if settings.tolerations:
+        pod_spec["tolerations"] = settings.tolerations
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": cleanup_job_name(mw, digest), "labels": labels,
+                         "ownerReferences": [owner_reference(mw, uid)], "annotations": {"ferry.dev/removes": digest}},
+            "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
+                     "template": {"metadata": {"labels": labels}, "spec": pod_spec}}}
+
+
 def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, Any]]:
     """The ServiceAccount prepare Jobs run as, bound to the status-only worker role."""
     return [

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ..api.types import ModelWeights
+from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
 from ..steps import Step
 from . import diagnosis, jobs
@@ -101,6 +101,20 @@ class KubernetesExecutor:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None:
+        """A superseded artifact: its Jobs go, and a cleanup Job removes its data from the claim."""
+        ns, digest = mw.metadata.namespace, artifact.spec_digest
+        listed = _read(self.batch.list_namespaced_job, ns, label_selector=f"{jobs.LABEL_MW}={mw.metadata.name}")
+        for job in (listed or {}).get("items") or []:
+            if ((job["metadata"].get("annotations") or {}).get("ferry.dev/step-id") or "").endswith(f"-{digest}"):
+                try:
+                    self.batch.delete_namespaced_job(job["metadata"]["name"], ns, propagation_policy="Background")
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+        if artifact.uri.startswith("pvc://"):
+            _create(self.batch.create_namespaced_job, ns, jobs.cleanup_job_manifest(mw, digest, uid, self.settings))
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
         """The artifact is recorded in the status: its Jobs may go (TTL controller)."""

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..api.types import ModelWeights
+from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
 from ..steps import Step
 
@@ -109,6 +109,16 @@ class LocalExecutor:
             total_bytes=int(body["totalBytes"]),
             manifest_digest="sha256:" + hashlib.sha256(data).hexdigest(),
         )
+
+    def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None:
+        """A superseded artifact: its directory (staging and artifact) and its steps' records."""
+        namespace, name = mw.metadata.namespace, mw.metadata.name
+        shutil.rmtree(self._dir(namespace, name) / artifact.spec_digest, ignore_errors=True)
+        for record in (self._dir(namespace, name) / ".steps").glob(f"*-{artifact.spec_digest}*"):
+            if record.is_dir():
+                shutil.rmtree(record, ignore_errors=True)
+            else:
+                record.unlink(missing_ok=True)
 
     def delete(self, mw: ModelWeights) -> None:
         shutil.rmtree(self._dir(mw.metadata.namespace, mw.metadata.name), ignore_errors=True)

@@ -1,0 +1,107 @@
+"""`ferry publish`: a prepared checkpoint directory, as it is, into a store.
+
+For `--load-format runai_streamer` (vLLM streams the safetensors straight from
+S3; config and tokenizer files are pulled next to them), or, with a
+`ferry shard` artifact, `runai_streamer_sharded`. The same rules as the other
+steps: every object uploaded and checked (store.py), the manifest last.
+
+The files: those the source's own ferry-manifest.json lists, each checked
+against its sha256 while it is read (a fetched or sharded directory), else
+every file of the directory but Ferry's own, with every `.safetensors` header
+validated first. The published manifest keeps the source manifest's format
+and facts (`sharded_state`, its TP size, ...) and adds where it came from.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from ..manifest import MANIFEST_NAME, TMP_MARKER, Manifest, manifest_digest, read_manifest
+from ..paths import safe_relative_path
+from ..progress import Progress
+from ..safetensors_header import UnsafeSafetensorsError, validate_safetensors
+from . import artifact
+from .errors import ArtifactError
+from .location import LocalLocation, Location, parse_location
+from .s3_client import S3Options
+from .store import StoredObject, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PublishJob:
+    source: Path
+    location: Location
+    files: list[tuple[str, int, str | None]]  # (relative path, size, sha256 from the source's manifest)
+    format: str
+    extra: dict
+    source_digest: str | None
+    s3: S3Options = field(default_factory=S3Options)
+    part_size: int | None = None
+
+    @classmethod
+    def prepare(cls, source: Path, output: str, *, s3: S3Options | None = None,
+                part_size: int | None = None) -> "PublishJob":
+        location = parse_location(output)
+        source = Path(source).resolve()
+        if not source.is_dir():
+            raise ArtifactError(f"{source}: not a directory")
+        if isinstance(location, LocalLocation) and location.path == source:
+            raise ArtifactError("the output must differ from the source directory")
+        manifest = read_manifest(source)
+        if manifest is not None:
+            files = [(e.path, e.size, e.sha256) for e in sorted(manifest.files, key=lambda e: e.path)]
+            for rel, size, _ in files:
+                path = source / rel
+                if not path.is_file() or path.stat().st_size != size:
+                    raise ArtifactError(f"{path}: missing or not the size its manifest says ({size}); run "
+                                        f"`ferry verify {source}`")
+            return cls(source, location, files, manifest.format, dict(manifest.extra), manifest_digest(source),
+                       s3 or S3Options(), part_size)
+        files = []
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            rel = path.relative_to(source).as_posix()
+            if _ferrys_own(rel):
+                continue
+            safe_relative_path(rel, origin=str(source))
+            if path.suffix == ".safetensors":
+                try:
+                    validate_safetensors(path)
+                except UnsafeSafetensorsError as e:
+                    raise ArtifactError(str(e)) from None
+            files.append((rel, path.stat().st_size, None))
+        if not any(rel.endswith(".safetensors") for rel, _, _ in files):
+            raise ArtifactError(f"{source}: no .safetensors files (the Run:ai streamer loads only safetensors)")
+        return cls(source, location, files, "safetensors", {}, None, s3 or S3Options(), part_size)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size, _ in self.files)
+
+    def request(self) -> dict:
+        return {"format": self.format, "publishedFrom": self.source_digest,
+                "files": {rel: [size, sha] for rel, size, sha in self.files}}
+
+    def run(self, progress: Progress | None = None) -> artifact.Published:
+        store = open_store(self.location, self.s3, self.part_size)
+        request = self.request()
+        reused = artifact.reuse(store, request)
+        if reused is not None:
+            return reused
+        artifact.begin(store, [rel for rel, _, _ in self.files])
+        on_bytes = progress.advance if progress else None
+        stored: list[StoredObject] = []
+        for rel, _, sha256 in self.files:
+            stored.append(store.put_file(rel, self.source / rel, on_bytes, expected_sha256=sha256))
+        manifest = Manifest(files=[o.entry() for o in stored], source=str(self.source), format=self.format,
+                            tool=f"ferry {__version__}",
+                            extra={**self.extra, "request": request, "publishedFrom": self.source_digest})
+        return artifact.publish(store, manifest, stored)
+
+
+def _ferrys_own(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return rel == MANIFEST_NAME or name.startswith(".ferry-") or TMP_MARKER in name
