@@ -35,8 +35,22 @@ class Kube:
 
 @contextlib.contextmanager
 def running_operator(kube: Kube, namespace: str, log_path: Path, **env: str):
-    """`ferry-operator run` for one namespace, as a process, with extra env."""
-    full_env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "FERRY_RECONCILE_INTERVAL": "1", **env}
+    """`ferry-operator run` for one namespace, as a process, with extra env. It
+    runs as a ServiceAccount bound to the chart's operator ClusterRole unless
+    env names a KUBECONFIG of its own."""
+    with contextlib.ExitStack() as stack:
+        if "KUBECONFIG" not in env:
+            from operator_identity import chart_operator_role, operator_identity
+
+            kubeconfig, _ = stack.enter_context(operator_identity(kube, namespace, chart_operator_role(),
+                                                                  log_path.parent))
+            env = {**env, "KUBECONFIG": str(kubeconfig)}
+        yield stack.enter_context(_operator_process(kube, namespace, log_path, env))
+
+
+@contextlib.contextmanager
+def _operator_process(kube: Kube, namespace: str, log_path: Path, env: dict[str, str]):
+    full_env = {**os.environ, "FERRY_RECONCILE_INTERVAL": "1", **env}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
                                  "--namespace", namespace], env=full_env, stdout=log, stderr=subprocess.STDOUT)

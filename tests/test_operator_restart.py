@@ -13,14 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-from test_operator_local import tiny_checkpoint, wait_condition
+from operator_identity import chart_operator_role, operator_identity
+from test_operator_local import wait_condition
 
 pytestmark = pytest.mark.cluster
 OPERATOR = Path(sys.executable).with_name("ferry-operator")
 
 
-def start_operator(kube, namespace, log: Path, **env) -> subprocess.Popen:
-    full = {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "FERRY_RECONCILE_INTERVAL": "0.5", **env}
+@pytest.fixture
+def identity(crd, namespace, tmp_path):
+    """The chart's operator ClusterRole, as a ServiceAccount token kubeconfig."""
+    with operator_identity(crd, namespace, chart_operator_role(), tmp_path) as (kubeconfig, _):
+        yield kubeconfig
+
+
+def start_operator(kubeconfig: Path, namespace, log: Path, **env) -> subprocess.Popen:
+    full = {**os.environ, "KUBECONFIG": str(kubeconfig), "FERRY_RECONCILE_INTERVAL": "0.5", **env}
     with open(log, "ab") as out:
         return subprocess.Popen([str(OPERATOR), "run", "--standalone", "--namespace", namespace], env=full,
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -32,7 +40,7 @@ def sharded(name, namespace, uri):
                      "format": {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}}}
 
 
-def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_path):
+def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_path, identity):
     sys.path.insert(0, str(Path(__file__).parent / "worker" / "shard"))
     from shard_checkpoints import LLAMA3, write_checkpoint
 
@@ -43,12 +51,12 @@ def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_
     rng = random.Random(7)
     names = [f"kill-{i}" for i in range(10)]
     for name in names:
-        operator = start_operator(crd, namespace, tmp_path / "operator.log", **env)
+        operator = start_operator(identity, namespace, tmp_path / "operator.log", **env)
         crd.apply(sharded(name, namespace, f"file://{source}"))
         time.sleep(rng.uniform(0.5, 4.0))  # somewhere in start-up, fetch, shard or wiring
         operator.send_signal(signal.SIGKILL)
         operator.wait()
-    operator = start_operator(crd, namespace, tmp_path / "operator.log", **env)
+    operator = start_operator(identity, namespace, tmp_path / "operator.log", **env)
     try:
         for name in names:
             wait_condition(crd, namespace, name, "Ready", timeout=180)
@@ -63,7 +71,7 @@ def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_
         operator.wait(timeout=20)
 
 
-def test_sigkill_with_the_kubernetes_executor_never_duplicates_a_job(crd, namespace, tmp_path):
+def test_sigkill_with_the_kubernetes_executor_never_duplicates_a_job(crd, namespace, tmp_path, identity):
     env = {"FERRY_EXECUTOR": "kubernetes", "FERRY_WORKER_IMAGE": "ghcr.io/ferry-dev/ferry:test",
            # kwok's node completes the pods without running them (as in test_operator_kubernetes.py)
            "FERRY_WORKER_NODE_SELECTOR": json.dumps({"type": "kwok"}),
@@ -72,13 +80,13 @@ def test_sigkill_with_the_kubernetes_executor_never_duplicates_a_job(crd, namesp
     rng = random.Random(11)
     operator = None
     for i in range(10):
-        operator = start_operator(crd, namespace, tmp_path / "operator.log", **env)
+        operator = start_operator(identity, namespace, tmp_path / "operator.log", **env)
         if i == 0:
             crd.apply(sharded("jobs", namespace, "hf://org/tiny-llama"))
         time.sleep(rng.uniform(0.3, 2.0))
         operator.send_signal(signal.SIGKILL)
         operator.wait()
-    operator = start_operator(crd, namespace, tmp_path / "operator.log", **env)
+    operator = start_operator(identity, namespace, tmp_path / "operator.log", **env)
     try:
         def both_jobs():
             items = crd.get_json("jobs", "-n", namespace)["items"]

@@ -182,3 +182,20 @@ def test_only_the_named_container_is_read_and_patched():
     d = replace(d, commands={**d.commands, "sidecar": ["sh", "-c", "vllm serve x | tee"]})
     patch, _ = wire("hf", d)
     assert [c["name"] for c in patch["spec"]["template"]["spec"]["containers"]] == [CONTAINER]
+
+
+def test_deployment_facts_from_the_api_json():
+    from ferry_operator.serving import deployment_facts
+
+    body = {"metadata": {"name": "vllm", "generation": 3},
+            "spec": {"replicas": 2, "template": {"metadata": {"annotations": {"a": "b"}}, "spec": {"containers": [
+                {"name": "vllm", "command": ["vllm", "serve"], "args": ["m", "-tp", "2"]}, {"name": "side"}]}}},
+            "status": {"observedGeneration": 3, "updatedReplicas": 2, "replicas": 2, "availableReplicas": 2}}
+    facts = deployment_facts(body)
+    assert facts.containers == {"vllm": ["m", "-tp", "2"], "side": []}
+    assert facts.commands == {"vllm": ["vllm", "serve"], "side": []}
+    assert facts.template_annotations == {"a": "b"} and facts.rolled_out
+    body["status"]["replicas"] = 3  # an old pod is still there
+    assert not deployment_facts(body).rolled_out
+    body["status"]["replicas"], body["status"]["observedGeneration"] = 2, 2  # the controller has not seen gen 3
+    assert not deployment_facts(body).rolled_out

@@ -24,7 +24,7 @@ from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
 from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
-from .serving import DeploymentFacts
+from .serving import DeploymentFacts, deployment_facts
 from .steps import Step, UnsupportedSpec, prepare_steps
 
 RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
@@ -94,30 +94,26 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
 
 
-def read_deployment(namespace: str, name: str) -> DeploymentFacts | None:
+@kopf.index("apps", "v1", "deployments")
+def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], DeploymentFacts]:
+    """Deployments in the watched namespaces, fed by a watch: reading one costs
+    the API server nothing, so an idle Ready ModelWeights costs it nothing."""
+    return {(namespace, name): deployment_facts(body)}
+
+
+def read_deployment(namespace: str, name: str, index: Any = None) -> DeploymentFacts | None:
+    if index is not None:
+        found = list(index.get((namespace, name), []))
+        return found[-1] if found else None
     from kubernetes.client.exceptions import ApiException
 
     try:
-        d = APPS.read_namespaced_deployment(name, namespace)
+        raw = APPS.read_namespaced_deployment(name, namespace, _preload_content=False)
     except ApiException as exc:
         if exc.status == 404:
             return None
         raise
-    want = d.spec.replicas if d.spec.replicas is not None else 1
-    st = d.status
-    rolled_out = (
-        (st.observed_generation or 0) >= d.metadata.generation
-        and (st.updated_replicas or 0) == want
-        and (st.replicas or 0) == want  # no old pods left
-        and (st.available_replicas or 0) == want
-    )
-    return DeploymentFacts(
-        name=name,
-        containers={c.name: list(c.args or []) for c in d.spec.template.spec.containers},
-        commands={c.name: list(c.command or []) for c in d.spec.template.spec.containers},
-        template_annotations=dict(d.spec.template.metadata.annotations or {}),
-        rolled_out=rolled_out,
-    )
+    return deployment_facts(json.loads(raw.data))
 
 
 def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str, Any]:
@@ -135,17 +131,19 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
-def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch, **_: Any) -> None:
+def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch, **kwargs: Any) -> None:
     started = time.monotonic()
     result = "error"
     try:
-        result = _reconcile_and_report(body, namespace, name, uid, patch)
+        # kopf passes each index under its handler's name.
+        result = _reconcile_and_report(body, namespace, name, uid, patch, kwargs.get("deployments"))
     finally:
         metrics.RECONCILES.labels(result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch) -> str:
+def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch,
+                          deployment_index: Any) -> str:
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
     try:
@@ -160,7 +158,7 @@ def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, 
     actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
     result = "ok"
     try:
-        status = _reconcile(mw, namespace, name, uid, steps, actions)
+        status = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index)
     except ApiException as exc:
         if exc.status != 403:  # kopf logs it and retries
             raise
@@ -199,7 +197,8 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
-               done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]) -> ModelWeightsStatus:
+               done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
+               deployment_index: Any = None) -> ModelWeightsStatus:
     """Observe, plan, act; the status the planner computed. `done` collects the
     actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
@@ -214,7 +213,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
     observed = Observed(
         steps=step_states,
         artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
-        deployments={r.name: read_deployment(namespace, r.name) for r in refs},
+        deployments={r.name: read_deployment(namespace, r.name, deployment_index) for r in refs},
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from .api.types import Artifact, FormatType, ModelWeightsSpec
@@ -37,6 +38,27 @@ class DeploymentFacts:
     template_annotations: dict[str, str]
     rolled_out: bool  # the controller has observed the latest generation and every replica is updated and available
     commands: dict[str, list[str]] = field(default_factory=dict)  # container name -> command (absent: none)
+
+
+def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
+    """What Ferry needs of a Deployment, from the object as the API serves it (JSON)."""
+    meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
+    template = spec.get("template") or {}
+    containers = (template.get("spec") or {}).get("containers") or []
+    want = spec.get("replicas", 1) if spec.get("replicas") is not None else 1
+    rolled_out = (
+        (status.get("observedGeneration") or 0) >= (meta.get("generation") or 0)
+        and (status.get("updatedReplicas") or 0) == want
+        and (status.get("replicas") or 0) == want  # no old pods left
+        and (status.get("availableReplicas") or 0) == want
+    )
+    return DeploymentFacts(
+        name=meta.get("name", ""),
+        containers={c["name"]: list(c.get("args") or []) for c in containers},
+        commands={c["name"]: list(c.get("command") or []) for c in containers},
+        template_annotations=dict((template.get("metadata") or {}).get("annotations") or {}),
+        rolled_out=rolled_out,
+    )
 
 
 def model_location(artifact_uri: str) -> str:

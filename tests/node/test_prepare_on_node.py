@@ -203,7 +203,11 @@ def test_a_superseded_artifact_is_removed_from_the_claim(node, chart_operator, n
     wait_for(lambda: (s := mw_status(node, NAMESPACE, name)).get("observedGeneration") == 2
              and s.get("phase") == "Ready", "generation 2 Ready", timeout=240)
     wait_for(lambda: not old_dir.exists(), f"{old_dir} removed by the cleanup Job", timeout=90)
-    (gc,) = [p for p in job_pods(node, name) if p["metadata"]["labels"]["ferry.dev/step"] == "gc"]
-    assert gc["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+    def gc_exit():
+        pods = [p for p in job_pods(node, name) if p["metadata"]["labels"]["ferry.dev/step"] == "gc"]
+        states = [(p["status"].get("containerStatuses") or [{}])[0].get("state", {}) for p in pods]
+        return [s["terminated"]["exitCode"] for s in states if "terminated" in s] or None
+    assert wait_for(gc_exit, "the cleanup pod's exit", timeout=60) == [0]
     current = mw_status(node, NAMESPACE, name)["artifact"]["uri"].removeprefix(f"pvc://{claim}/")
     assert (claim_dir(node, claim) / current / "ferry-manifest.json").is_file()

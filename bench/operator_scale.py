@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Benchmark: the operator at scale, local executor, tiny checkpoints.
+
+    .venv/bin/python bench/operator_scale.py [--objects 100] [--idle-seconds 60] [--interval 2]
+
+Starts its own local cluster (control plane + kwok's GPU nodes, no real node:
+FERRY_NODE=0, state in --state, default /tmp/ferry-scale) and one operator
+process (`ferry-operator run`, local executor), then applies --objects
+ModelWeights at once, each a safetensors copy of the same tiny checkpoint
+(the first 8 wired to a vLLM Deployment each: kwok's GPU nodes have room for
+no more rolling updates). Measures:
+
+- apply -> step started: the first worker's launch record (local executor's
+  `.steps/<step>.launches`, written by the runner as it starts) minus the
+  moment the object was created (its creationTimestamp, 1 s resolution,
+  and the client's own clock before the apply);
+- apply -> Ready: when a watch on ModelWeights first sees Ready=True;
+- the operator's RSS (peak and idle) and CPU seconds (prepare and idle);
+- API requests per second while every object is Ready and idle: the
+  difference of the API server's own `apiserver_request_total` over
+  --idle-seconds, minus the benchmark's own two scrapes.
+
+Reports p50/p99 and writes JSON to --out. A benchmark, not a test: nothing
+here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def proc_stats(pid: int) -> tuple[float, int]:
+    """(CPU seconds user+sys, RSS bytes) of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    return cpu, rss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--objects", type=int, default=100)
+    ap.add_argument("--idle-seconds", type=float, default=60)
+    ap.add_argument("--interval", type=float, default=2.0, help="FERRY_RECONCILE_INTERVAL of the operator")
+    ap.add_argument("--state", type=Path, default=Path("/tmp/ferry-scale"))
+    ap.add_argument("--out", type=Path, default=Path("/tmp/ferry-scale/result.json"))
+    args = ap.parse_args()
+
+    os.environ["FERRY_STATE_DIR"] = str(args.state)
+    os.environ["FERRY_NODE"] = "0"
+    sys.path.insert(0, str(REPO / "e2e"))
+    import localcluster  # after FERRY_STATE_DIR: it reads it at import
+    import numpy as np
+    from kubernetes import client, config, watch
+    from safetensors.numpy import save_file
+
+    cluster = localcluster.Cluster()
+    cluster.up()
+    kubeconfig = str(localcluster.KUBECONFIG)
+    kubectl = [localcluster.kubectl_path(), "--kubeconfig", kubeconfig]
+    subprocess.run([*kubectl, "apply", "--server-side", "-f", str(REPO / "crds/ferry.dev_modelweights.yaml")],
+                   check=True, capture_output=True)
+    localcluster.wait_crd_established("modelweights.ferry.dev", localcluster.KUBECONFIG)
+    ns = "scale"
+    subprocess.run([*kubectl, "create", "namespace", ns], capture_output=True)
+    src = args.state / "checkpoint"
+    if not (src / "model.safetensors").exists():
+        src.mkdir(parents=True, exist_ok=True)
+        save_file({"model.embed_tokens.weight": np.ones((64, 16), dtype=np.float32)}, str(src / "model.safetensors"))
+        (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    root = args.state / "artifacts"
+    env = {**os.environ, "KUBECONFIG": kubeconfig, "FERRY_EXECUTOR": "local", "FERRY_LOCAL_ROOT": str(root),
+           "FERRY_RECONCILE_INTERVAL": str(args.interval), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    log = open(args.state / "operator.log", "ab")
+    operator = subprocess.Popen([str(BIN / "ferry-operator"), "run", "--standalone", "--namespace", ns], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    config.load_kube_config(kubeconfig)
+    custom, apps = client.CustomObjectsApi(), client.AppsV1Api()
+    ready_at: dict[str, float] = {}
+    done = threading.Event()
+
+    def watch_ready() -> None:
+        for event in watch.Watch().stream(custom.list_namespaced_custom_object, "ferry.dev", "v1alpha1", ns,
+                                          "modelweights", timeout_seconds=1800):
+            obj = event["object"]
+            conds = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
+            if conds.get("Ready") == "True":
+                ready_at.setdefault(obj["metadata"]["name"], time.time())
+            if len(ready_at) >= args.objects or done.is_set():
+                return
+
+    watcher = threading.Thread(target=watch_ready, daemon=True)
+    watcher.start()
+    time.sleep(3)  # the operator's start-up
+    cpu0, _ = proc_stats(operator.pid)
+    applied_at: dict[str, float] = {}
+    for i in range(min(args.objects, 8)):
+        name = f"mw-{i:04d}"
+        labels = {"app": name}
+        apps.create_namespaced_deployment(ns, {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "auto"],
+                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}})
+    # kwok's GPU nodes hold 16 GPUs, and a rolling update needs a spare one per
+    # Deployment (maxSurge): only the first 8 objects are wired, the others
+    # prepare without serving.
+    for i in range(args.objects):
+        name = f"mw-{i:04d}"
+        spec = {"source": {"uri": f"file://{src}"}, "storage": {"pvc": {"size": "1Gi"}}, "format": {"type": "safetensors"}}
+        if i < 8:
+            spec["serving"] = {"deployments": [{"name": name, "container": "vllm"}]}
+        applied_at[name] = time.time()
+        custom.create_namespaced_custom_object("ferry.dev", "v1alpha1", ns, "modelweights",
+                                               {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+                                                "metadata": {"name": name}, "spec": spec})
+    peak_rss = 0
+    deadline = time.time() + 1800
+    while len(ready_at) < args.objects and time.time() < deadline:
+        peak_rss = max(peak_rss, proc_stats(operator.pid)[1])
+        time.sleep(0.5)
+    cpu1, _ = proc_stats(operator.pid)
+    started = {}
+    for name in applied_at:
+        launches = list((root / ns / name / ".steps").glob("*.launches"))
+        if launches:
+            started[name] = min(f.stat().st_mtime for f in launches)
+
+    def requests_total() -> float:
+        text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], capture_output=True, text=True).stdout
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("apiserver_request_total{"))
+
+    time.sleep(5)  # let the last status patches land
+    before = requests_total()
+    idle0, _ = proc_stats(operator.pid)
+    time.sleep(args.idle_seconds)
+    after = requests_total()
+    idle1, idle_rss = proc_stats(operator.pid)
+    done.set()
+    result = {
+        "objects": args.objects, "reconcile_interval_s": args.interval, "ready": len(ready_at),
+        "apply_to_step_started_s": {"p50": pct([started[n] - applied_at[n] for n in started], 0.5),
+                                    "p99": pct([started[n] - applied_at[n] for n in started], 0.99)},
+        "apply_to_ready_s": {"p50": pct([ready_at[n] - applied_at[n] for n in ready_at], 0.5),
+                             "p99": pct([ready_at[n] - applied_at[n] for n in ready_at], 0.99)},
+        "operator_cpu_s_prepare": round(cpu1 - cpu0, 2),
+        "operator_peak_rss_mib": round(peak_rss / 2**20, 1),
+        "operator_idle_rss_mib": round(idle_rss / 2**20, 1),
+        "operator_idle_cpu_fraction": round((idle1 - idle0) / args.idle_seconds, 3),
+        # The benchmark's own scrape (one request) is subtracted.
+        "idle_api_requests_per_s": round((after - before - 1) / args.idle_seconds, 2),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    operator.terminate()
+    try:
+        operator.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        operator.kill()
+    cluster.down(quiet=True)
+
+
+if __name__ == "__main__":
+    main()
