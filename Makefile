@@ -79,6 +79,7 @@ demo-cluster: venv node-packages controlplane storage s3server images
 bench: venv s3server
 	$(PY) bench/fetch_s3.py
 	$(PY) bench/shard_bench.py
+	$(PY) bench/operator_scale.py --objects 100
 
 clean: cluster-down
 	rm -rf $(VENV) .ferry

@@ -4,6 +4,7 @@ started for the session and stopped at its end."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -62,3 +63,12 @@ def images(kube: Kube) -> dict[str, dict[str, str]]:
     built = localcluster.built_images()
     localcluster.import_images(localnode.Node(localcluster.node_paths()), built)
     return built
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of the vLLM CPU venv (e2e/vllm/install.sh); a test that needs it fails, never skips, without it."""
+    check = subprocess.run(["bash", str(REPO / "e2e/vllm/install.sh"), "--check"], capture_output=True, text=True)
+    if check.returncode != 0:
+        pytest.fail(f"the vLLM CPU venv is missing: run e2e/vllm/install.sh ({check.stderr.strip()})")
+    return check.stdout.strip()

@@ -19,8 +19,6 @@ import pytest
 
 from serving_cases import HUB_ID, MOUNT, SHAPES, SPECS, Shape, command_line, facts, shape_facts, wire
 
-REPO = Path(__file__).resolve().parents[1]
-INSTALL = REPO / "e2e" / "vllm" / "install.sh"
 SCRIPT = Path(__file__).with_name("vllm_serve_args.py")
 # The vllm/vllm-openai image's entrypoint: `vllm serve` today, the api_server module before.
 ENTRYPOINTS = {"vllm-serve": ["vllm", "serve"], "api-server": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
@@ -30,14 +28,6 @@ RECORDER = '#!/bin/sh\nfor a in "$(basename "$0")" "$@"; do printf \'%s\\0\' "$a
 # What Ferry wrote before it knew the positional model: vLLM must not load the artifact from it.
 OLD_WIRING = ["vllm", "serve", HUB_ID, "--max-model-len", "8192", "--model", MOUNT, "--load-format", "sharded_state",
               "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1"]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    check = subprocess.run(["bash", str(INSTALL), "--check"], capture_output=True, text=True)
-    if check.returncode != 0:
-        pytest.fail(f"the vLLM CPU venv is missing: run e2e/vllm/install.sh ({check.stderr.strip()})")
-    return check.stdout.strip()
 
 
 def exec_argv(argv: list[str], bin_dir: Path, out: Path) -> list[str]:

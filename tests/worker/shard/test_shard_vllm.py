@@ -35,8 +35,6 @@ from ferry_worker.shard import ShardJob
 
 from shard_checkpoints import LLAMA3, QWEN2, QWEN3, ModelCase, write_checkpoint
 
-REPO = Path(__file__).resolve().parents[3]
-INSTALL = REPO / "e2e" / "vllm" / "install.sh"
 SCRIPT = Path(__file__).with_name("vllm_generate.py")
 PROMPTS = [[5, 17, 300], [999, 4], [7], [100, 200, 300, 400], [42, 42, 42], [640, 1, 960]]
 MAX_TOKENS = 16
@@ -76,14 +74,6 @@ RUNS = (
 )
 SHARDED_RUNS = [r.name for r in RUNS if r.sharded]
 TOKEN_PAIRS = [("llama-tp1-auto", "llama-tp2-sharded"), ("qwen2-tp1-auto", "qwen2-tp2-sharded")]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    check = subprocess.run(["bash", str(INSTALL), "--check"], capture_output=True, text=True)
-    if check.returncode != 0:
-        pytest.fail(f"the vLLM CPU venv is missing: run e2e/vllm/install.sh ({check.stderr.strip()})")
-    return check.stdout.strip()
 
 
 @pytest.fixture(scope="module")

