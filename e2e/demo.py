@@ -28,11 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "e2e"))
-# The sharding tests' checkpoint generator: real architectures' config.json and
-# tensor names, random weights, a real tokenizer.
-sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
+# checkpoints.py: real architectures' config.json and tensor names, random
+# weights, a real tokenizer (also what the tests generate).
 import localcluster  # noqa: E402
-from shard_checkpoints import ModelCase, _llama_like, write_checkpoint  # noqa: E402
+from checkpoints import ModelCase, _llama_like, write_checkpoint  # noqa: E402
 
 # Llama-3 shaped (GQA 8:2 heads, untied), small enough to prepare in seconds: ~120 MB of bf16.
 DEMO_LLAMA = ModelCase("demo-llama", _llama_like(

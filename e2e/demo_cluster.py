@@ -26,12 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "e2e"))
 sys.path.insert(0, str(REPO / "e2e" / "s3"))
-sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
 import localcluster  # noqa: E402
 import localnode  # noqa: E402
 import s3server  # noqa: E402
 from demo import DEMO_LLAMA, deployment, kubectl, step, watch_until_ready  # noqa: E402
-from shard_checkpoints import write_checkpoint  # noqa: E402
+from checkpoints import write_checkpoint  # noqa: E402
 
 NAMESPACE = "ferry-demo-cluster"
 RELEASE, RELEASE_NAMESPACE = "ferry", "ferry-system"

@@ -41,8 +41,7 @@ def sharded(name, namespace, uri):
 
 
 def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_path, identity):
-    sys.path.insert(0, str(Path(__file__).parent / "worker" / "shard"))
-    from shard_checkpoints import LLAMA3, write_checkpoint
+    from checkpoints import LLAMA3, write_checkpoint
 
     source = tmp_path / "src"
     write_checkpoint(source, LLAMA3)

@@ -11,14 +11,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "e2e" / "s3"))
-sys.path.insert(0, str(REPO / "tests" / "worker" / "shard"))
 sys.path.insert(0, str(REPO / "tests" / "node"))
 
 import localnode  # noqa: E402
 from cluster_support import Kube  # noqa: E402
 from node_support import NAMESPACE, install_chart, uninstall_chart  # noqa: E402
 from s3server import S3Server  # noqa: E402
-from shard_checkpoints import LLAMA3, write_checkpoint  # noqa: E402
+from checkpoints import LLAMA3, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

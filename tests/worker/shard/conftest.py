@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shard_checkpoints import ModelCase, write_checkpoint
+from checkpoints import ModelCase, write_checkpoint
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from ferry_worker.manifest import verify
 from ferry_worker.shard_cli import add_shard_commands
 
-from shard_checkpoints import QWEN3, read_safetensors
+from checkpoints import QWEN3, read_safetensors
 
 
 def _run(argv: list[str]) -> int:

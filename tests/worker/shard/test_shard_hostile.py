@@ -11,7 +11,7 @@ from ferry_worker.manifest import MANIFEST_NAME
 from ferry_worker.shard import ShardJob
 from ferry_worker.shard_model import ShardError
 
-from shard_checkpoints import LLAMA3, LLAMA32_TIED, QWEN2, random_weights, to_dtype_bytes
+from checkpoints import LLAMA3, LLAMA32_TIED, QWEN2, random_weights, to_dtype_bytes
 
 
 def _no_artifact(output) -> bool:

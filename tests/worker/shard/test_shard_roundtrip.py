@@ -11,7 +11,7 @@ from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, read_manifest, 
 from ferry_worker.shard import ShardJob
 from ferry_worker.shard_unshard import UNSHARDED_NAME, unshard
 
-from shard_checkpoints import ALL_CASES, LLAMA3, LLAMA32_TIED, ModelCase, read_safetensors
+from checkpoints import ALL_CASES, LLAMA3, LLAMA32_TIED, ModelCase, read_safetensors
 
 COMPANIONS = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json"}

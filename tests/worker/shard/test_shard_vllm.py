@@ -33,7 +33,7 @@ import pytest
 from ferry_worker.safetensors_header import validate_safetensors
 from ferry_worker.shard import ShardJob
 
-from shard_checkpoints import LLAMA3, QWEN2, QWEN3, ModelCase, write_checkpoint
+from checkpoints import LLAMA3, QWEN2, QWEN3, ModelCase, write_checkpoint
 
 SCRIPT = Path(__file__).with_name("vllm_generate.py")
 PROMPTS = [[5, 17, 300], [999, 4], [7], [100, 200, 300, 400], [42, 42, 42], [640, 1, 960]]

@@ -5,12 +5,9 @@ extra is not installed."""
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shard"))  # shard_checkpoints
 
 
 @pytest.fixture(autouse=True)

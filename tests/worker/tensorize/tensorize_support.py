@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shard_checkpoints import LLAMA3, QWEN2, ModelCase, read_safetensors
+from checkpoints import LLAMA3, QWEN2, ModelCase, read_safetensors
 
 REPO = Path(__file__).resolve().parents[3]
 MiB = 1 << 20

@@ -11,7 +11,7 @@ import pytest
 from ferry_worker.cli import EXIT_FAILED, main
 from ferry_worker.manifest import manifest_digest
 from ferry_worker.shard import ShardJob
-from shard_checkpoints import write_checkpoint
+from checkpoints import write_checkpoint
 from tensorize_support import LLAMA_MID, MiB, QWEN2_TIED, list_keys, object_sha256, read_manifest_object
 
 MANIFEST = "ferry-manifest.json"

@@ -10,7 +10,7 @@ import pytest
 
 from fault_proxy import PASS, FaultProxy
 from s3server import S3Server
-from shard_checkpoints import write_checkpoint
+from checkpoints import write_checkpoint
 from tensorize_support import LLAMA_MID, checkpoint_tensors, deserialize, list_keys, run_ferry
 
 pytestmark = pytest.mark.tensorize

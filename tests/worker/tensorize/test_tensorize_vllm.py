@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from ferry_worker.cli import main
-from shard_checkpoints import LLAMA3, ModelCase, write_checkpoint
+from checkpoints import LLAMA3, ModelCase, write_checkpoint
 from tensorize_support import QWEN2_TIED, stream_args
 
 pytestmark = [pytest.mark.tensorize, pytest.mark.vllm]

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from shard_checkpoints import write_checkpoint
+from checkpoints import write_checkpoint
 from tensorize_support import QWEN2_TIED, list_keys
 
 BLOCKED = """

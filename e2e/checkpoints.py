@@ -1,5 +1,6 @@
-"""Small Hugging Face checkpoints for the sharding tests: real architectures'
-config.json (scaled down) and tensor names, random weights, a real tokenizer.
+"""Small Hugging Face checkpoints, generated (no model hub is reachable): real
+architectures' config.json (scaled down) and tensor names, random weights, a
+real tokenizer. Used by the demos and the tests.
 
 The tensor list here is written from the Hugging Face modelling code, not from
 Ferry's layout tables, so a mistake in a table shows up as a mismatch.
