@@ -54,7 +54,7 @@ def s3_server() -> s3server.S3Server:
         server.endpoint = json.loads((STATE / "s3.json").read_text())["endpoint"]
         return server
     server.start()
-    pids["demo-s3"] = server._process.pid
+    pids["demo-s3"] = server.pid
     pids_file.write_text(json.dumps(pids))
     (STATE / "s3.json").write_text(json.dumps({"endpoint": server.endpoint}))
     return server

@@ -83,6 +83,10 @@ class S3Server:
                 time.sleep(0.05)
         return False
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()

@@ -25,6 +25,7 @@ OBJECTS = Gauge("ferry_modelweights", "ModelWeights by phase.", ["phase"])
 
 _started: dict[str, float] = {}  # step id -> when this process started it
 _phases: dict[str, str] = {}  # object uid -> its phase
+_seen: set[str] = set()  # every phase the gauge has a series for
 
 
 def serve(bind: str) -> None:
@@ -50,12 +51,9 @@ def phase(uid: str, value: str | None) -> None:
         _phases.pop(uid, None)
     else:
         _phases[uid] = value
-    counts: dict[str, int] = {}
+        _seen.add(value)
+    counts = {p: 0 for p in _seen}  # a phase nobody is in any more reads 0, not its last count
     for p in _phases.values():
-        counts[p] = counts.get(p, 0) + 1
-    for p in set(counts) | {labels[0] for labels in _known_phases()}:
-        OBJECTS.labels(p).set(counts.get(p, 0))
-
-
-def _known_phases() -> list[tuple[str, ...]]:
-    return [tuple(s.labels.values()) for m in OBJECTS.collect() for s in m.samples]
+        counts[p] += 1
+    for p, n in counts.items():
+        OBJECTS.labels(p).set(n)
