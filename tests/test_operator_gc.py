@@ -63,6 +63,8 @@ def test_kubernetes_executor_removes_superseded_jobs_and_data(crd, namespace, tm
         crd.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{namespace}"},
                    "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"],
                             "storageClassName": f"manual-{namespace}", "hostPath": {"path": f"/tmp/{namespace}"}}})
+        wait_for(lambda: crd.get_json("pv", f"pv-{namespace}").get("status", {}).get("phase") == "Available",
+                 "the volume Available")
         digests = []
         for generation, patterns in enumerate(PATTERNS, start=1):
             mw = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
@@ -76,7 +78,9 @@ def test_kubernetes_executor_removes_superseded_jobs_and_data(crd, namespace, tm
                                          and j["status"].get("succeeded")
                                          and j["metadata"]["annotations"]["ferry.dev/step-id"].endswith(
                                              _digest(mw))), None),
-                           f"fetch Job of generation {generation} complete", timeout=90)
+                           # The scheduler may hold a pod rejected for its then-unbound claim in its
+                           # unschedulable queue for up to 5 minutes before trying it again.
+                           f"fetch Job of generation {generation} complete", timeout=330)
             (pod,) = crd.get_json("pods", "-n", namespace, "-l", f"job-name={job['metadata']['name']}")["items"]
             statuses = pod["status"]["containerStatuses"]
             statuses[0]["state"]["terminated"]["message"] = json.dumps(
