@@ -223,7 +223,9 @@ class Cluster:
             f'{tokens[u]},{name},{u}' + (f',"{group}"' if group else "") + "\n" for u, (name, group) in users.items()))
         address = api_address()
         if with_node:
-            # The bridge carries the API server's address: it must exist first.
+            # The bridge carries the API server's address: it must exist first. The node's
+            # directory marks, for `down`, that this cluster owns the node's network.
+            node_paths().root.mkdir(parents=True, exist_ok=True)
             localnode.network_up(SERVICE_CIDR)
         etcd_port, etcd_peer, kcm_port, sched_port = (free_port() for _ in range(4))
         api_port = free_port(address)
@@ -414,7 +416,9 @@ class Cluster:
                 _kill(pid)
         # The node's leftovers whether or not it was recorded (a crashed `up`).
         paths = node_paths()
-        if paths.root.exists() or paths.run.exists() or localnode.leftovers(paths)["links"]:
+        # Only this state dir's node: the bridge and iptables are the machine's, and
+        # another cluster (another FERRY_STATE_DIR, FERRY_NODE=0) must not tear them down.
+        if paths.root.exists() or paths.run.exists():
             bin_dir = Path(json.loads((CLUSTER / "bin.json").read_text())["bin"]) if (CLUSTER / "bin.json").exists() \
                 else None
             localnode.Node(paths).stop(bin_dir)
