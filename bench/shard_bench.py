@@ -59,7 +59,7 @@ def tensor_shapes(layers: int) -> dict[str, list[int]]:
 
 def write_checkpoint(directory: Path, layers: int) -> int:
     """A bf16 checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
-    from ferry_worker.shard_safetensors import HeaderEntry, encode_header
+    from ferry_worker.shard.tensors import HeaderEntry, encode_header
 
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(llama_config(layers), indent=2))

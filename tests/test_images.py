@@ -231,7 +231,7 @@ def test_ferry_clis_run_as_nonroot_on_a_read_only_root(ferry_bundle, tmp_path):
              "try:\n    open('/opt/ferry/probe', 'w')\nexcept OSError as e:\n    assert e.errno == errno.EROFS, e\n"
              "else:\n    raise SystemExit('the root filesystem is writable')\n"
              "open(os.path.join(os.environ['HOME'], 'probe'), 'w').write('ok')\n"
-             "import ferry_worker.fetch, ferry_operator.handlers\nprint('ok')\n")
+             "import ferry_worker.fetch.run, ferry_operator.handlers\nprint('ok')\n")
     result = runc.run(["python", "-c", probe])
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr
 

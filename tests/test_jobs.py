@@ -59,7 +59,7 @@ def test_result_parsing_ignores_anything_but_ferry_json():
 
 
 def test_bad_input_fails_the_job_at_once_and_disruptions_do_not_count():
-    from ferry_worker.cli import EXIT_INPUT
+    from ferry_worker.results import EXIT_INPUT
 
     m = mw(manifest())
     spec = jobs.job_manifest(m, prepare_steps(m.spec)[0], "uid", SETTINGS)["spec"]

@@ -10,10 +10,11 @@ import numpy as np
 
 import pytest
 
-from ferry_worker.cli import EXIT_FAILED, EXIT_INPUT, is_input_error, main
+from ferry_worker.cli import main
+from ferry_worker.fetch.selection import NoWeightsError
 from ferry_worker.paths import UnsafePathError
-from ferry_worker.selection import NoWeightsError
-from ferry_worker.shard_model import ShardError
+from ferry_worker.results import EXIT_FAILED, EXIT_INPUT, is_input_error
+from ferry_worker.shard.model import ShardError
 from ferry_worker.sources.base import BadSourceError, SourceError
 
 

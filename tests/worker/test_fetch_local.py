@@ -18,14 +18,14 @@ from checkpoint_files import (
     write_tree,
 )
 from fetch_support import run_ferry
-from ferry_worker.fetch import FetchRequest, fetch, fetch_listed
-from ferry_worker.journal import JOURNAL_NAME
+from ferry_worker.fetch.journal import JOURNAL_NAME
+from ferry_worker.fetch.run import FetchRequest, fetch, fetch_listed
+from ferry_worker.fetch.transfer import TransferOptions
 from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, read_manifest, verify
 from ferry_worker.paths import UnsafePathError
 from ferry_worker.safetensors_header import UnsafeSafetensorsError
 from ferry_worker.sources import SourceError
 from ferry_worker.sources.local import LocalSource
-from ferry_worker.transfer import TransferOptions
 
 METADATA = {"config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
             "tokenizer_config.json", "model.safetensors.index.json"}

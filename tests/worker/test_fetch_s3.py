@@ -16,8 +16,8 @@ from awscrt import checksums
 
 from checkpoint_files import llama3_like, raw_safetensors, safetensors_blob
 from fetch_support import run_ferry, upload_tree
-from ferry_worker.fetch import FetchRequest, fetch, fetch_listed
-from ferry_worker.journal import JOURNAL_NAME
+from ferry_worker.fetch.journal import JOURNAL_NAME
+from ferry_worker.fetch.run import FetchRequest, fetch, fetch_listed
 from ferry_worker.manifest import MANIFEST_NAME, partial_name, read_manifest, verify
 from ferry_worker.paths import UnsafePathError
 from ferry_worker.sources import SourceError

@@ -1,4 +1,4 @@
-"""vLLM's file selection rules (selection.py) over listings of real Hub repositories."""
+"""vLLM's file selection rules (fetch/selection.py) over listings of real Hub repositories."""
 from __future__ import annotations
 
 import glob
@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
-from ferry_worker.paths import UnsafePathError
-from ferry_worker.selection import (
+from ferry_worker.fetch.selection import (
     BadIndexError,
     NoWeightsError,
     glob_match,
@@ -20,6 +19,7 @@ from ferry_worker.selection import (
     parse_index,
     select,
 )
+from ferry_worker.paths import UnsafePathError
 
 
 @dataclass(frozen=True)

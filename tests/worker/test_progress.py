@@ -10,7 +10,8 @@ from datetime import datetime, timezone
 import pytest
 
 from ferry_worker.kube_status import KubeStatusSink, progress_status
-from ferry_worker.progress import LogLines, Progress, Snapshot, TerminalBar, default_sinks
+from ferry_worker.progress import LogLines, Progress, Snapshot, TerminalBar
+from ferry_worker.sinks import default_sinks
 
 MiB = 1 << 20
 

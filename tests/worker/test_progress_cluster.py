@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ferry_worker.progress import Progress, default_sinks
+from ferry_worker.progress import Progress
+from ferry_worker.sinks import default_sinks
 
 WORKER_SA = "ferry-worker"
 

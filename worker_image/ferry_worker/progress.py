@@ -10,15 +10,15 @@ how often it really emits:
 - `kube_status.KubeStatusSink`: `status.progress` of the ModelWeights, when
   FERRY_MODELWEIGHTS_NAME and FERRY_MODELWEIGHTS_NAMESPACE are set.
 
-    with Progress("fetch", total, default_sinks("fetch")) as progress:
+`sinks.default_sinks()` picks them for a command:
+
+    with Progress("fetch", total, default_sinks()) as progress:
         ...
         progress.advance(len(chunk))
 """
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -208,19 +208,6 @@ class LogLines:
 
     def close(self, snapshot: Snapshot) -> None:
         log.info("%s", snapshot.describe())
-
-
-def default_sinks(stream: TextIO | None = None) -> list[ProgressSink]:
-    """A terminal bar or log lines, plus the ModelWeights status when running for one."""
-    stream = stream or sys.stderr
-    sinks: list[ProgressSink] = [TerminalBar(stream) if stream.isatty() else LogLines()]
-    name = os.environ.get("FERRY_MODELWEIGHTS_NAME")
-    namespace = os.environ.get("FERRY_MODELWEIGHTS_NAMESPACE")
-    if name and namespace:
-        from .kube_status import KubeStatusSink
-
-        sinks.append(KubeStatusSink.from_env(name, namespace))
-    return sinks
 
 
 def human_bytes(n: float) -> str:

@@ -27,7 +27,7 @@ FINISHED_JOB_TTL_S = 600
 WORKER_CONTAINER = "worker"
 # The worker's exit status for input that is wrong (a bad source, no weights, a
 # checkpoint it cannot shard): the same command would fail again, so the Job
-# fails at once instead of retrying. ferry_worker.cli.EXIT_INPUT (a test keeps them equal).
+# fails at once instead of retrying. ferry_worker.results.EXIT_INPUT (a test keeps them equal).
 WORKER_EXIT_INPUT = 2
 BACKOFF_LIMIT = 3
 

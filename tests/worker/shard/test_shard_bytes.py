@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ferry_worker.shard_bytes import BlockBuffers, Span, piece_span, read_span, write_span
-from ferry_worker.shard_plan import Columns, Rows
+from ferry_worker.shard.plan import Columns, Rows
+from ferry_worker.shard.spans import BlockBuffers, Span, piece_span, read_span, write_span
 
 MATRIX = np.arange(12 * 40, dtype=np.uint16).reshape(12, 40)  # 80-byte rows
 OFFSET = 24  # the tensor sits after some other bytes in its file

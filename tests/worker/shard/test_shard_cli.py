@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from ferry_worker.manifest import verify
-from ferry_worker.shard_cli import add_shard_commands
+from ferry_worker.shard.cli import add_shard_commands
 
 from checkpoints import QWEN3, read_safetensors
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ferry_worker.manifest import MANIFEST_NAME
-from ferry_worker.shard import ShardJob
-from ferry_worker.shard_model import ShardError
+from ferry_worker.shard.job import ShardJob
+from ferry_worker.shard.model import ShardError
 
 from checkpoints import LLAMA3, LLAMA32_TIED, QWEN2, random_weights, to_dtype_bytes
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ferry_worker.shard import ShardJob
-from ferry_worker.shard_model import ShardError, pp_layer_ranges
+from ferry_worker.shard.job import ShardJob
+from ferry_worker.shard.model import ShardError, pp_layer_ranges
 
 from checkpoints import ALL_CASES, LLAMA3, LLAMA32_TIED, QWEN2, ModelCase, read_safetensors
 from vllm_reference import as_arrays, rank_state_dict

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, read_manifest, verify
-from ferry_worker.shard import ShardJob
-from ferry_worker.shard_unshard import UNSHARDED_NAME, unshard
+from ferry_worker.shard.job import ShardJob
+from ferry_worker.shard.unshard import UNSHARDED_NAME, unshard
 
 from checkpoints import ALL_CASES, LLAMA3, LLAMA32_TIED, ModelCase, read_safetensors
 

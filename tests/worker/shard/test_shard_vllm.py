@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from ferry_worker.safetensors_header import validate_safetensors
-from ferry_worker.shard import ShardJob
+from ferry_worker.shard.job import ShardJob
 
 from checkpoints import LLAMA3, QWEN2, QWEN3, ModelCase, write_checkpoint
 

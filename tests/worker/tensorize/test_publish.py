@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ferry_worker.cli import EXIT_FAILED, main
+from ferry_worker.cli import main
 from ferry_worker.manifest import manifest_digest
-from ferry_worker.shard import ShardJob
+from ferry_worker.results import EXIT_FAILED
+from ferry_worker.shard.job import ShardJob
 from checkpoints import write_checkpoint
 from tensorize_support import LLAMA_MID, MiB, QWEN2_TIED, list_keys, object_sha256, read_manifest_object
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ferry_worker.cli import EXIT_INPUT, main
-from ferry_worker.shard import ShardJob
+from ferry_worker.cli import main
+from ferry_worker.results import EXIT_INPUT
+from ferry_worker.shard.job import ShardJob
 from checkpoints import write_checkpoint
 from tensorize_support import (LLAMA_MID, MiB, QWEN2_TIED, checkpoint_tensors, deserialize, list_keys,
                                object_sha256, read_manifest_object, run_ferry, sharded_rank)

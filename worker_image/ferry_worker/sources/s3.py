@@ -36,7 +36,7 @@ from .base import BadSourceError, RangedSource, RemoteFile, SourceError
 
 _MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
 _KMS = {"aws:kms", "aws:kms:dsse"}
-# Cheapest to verify first (see digests.py).
+# Cheapest to verify first (see fetch/digests.py).
 _CRC_FIELDS = (("ChecksumCRC64NVME", "crc64nvme"), ("ChecksumCRC32C", "crc32c"), ("ChecksumCRC32", "crc32"))
 HEAD_WORKERS = 8
 

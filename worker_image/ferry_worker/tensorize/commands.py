@@ -1,8 +1,8 @@
 """`ferry tensorize`, `ferry publish`, `ferry delete-artifact`: command-line wiring.
 
 `add_tensorize_commands(subparsers)` adds them to the `ferry` parser, the way
-`shard_cli.add_shard_commands` does; each reports its step result (the
-manifest digest, size, file count and URI) through cli.report_result.
+`shard.cli.add_shard_commands` does; each reports its step result (the
+manifest digest, size, file count and URI) through results.report_result.
 Nothing heavy is imported here: torch and tensorizer load only when a
 tensorize command runs.
 """
@@ -13,7 +13,9 @@ import json
 import logging
 from pathlib import Path
 
-from ..shard_versions import DEFAULT_VLLM_VERSION
+from ..cli_args import parse_size, positive_int
+from ..results import report_result
+from ..shard.versions import DEFAULT_VLLM_VERSION
 from .s3_client import DEFAULT_ATTEMPTS, DEFAULT_TIMEOUT_S, S3Options
 
 log = logging.getLogger("ferry")
@@ -21,8 +23,6 @@ DEFAULT_PART_SIZE = 32 << 20
 
 
 def add_tensorize_commands(subparsers: argparse._SubParsersAction) -> None:
-    from ..cli import parse_size  # cli.py imports this module to build its parser
-
     tensorize = subparsers.add_parser(
         "tensorize", help="write a safetensors checkpoint as tensorizer files to S3 or a directory (no GPU)",
         description="Serialize the checkpoint with tensorizer: --layout hf, one model.tensors in the checkpoint's "
@@ -33,14 +33,14 @@ def add_tensorize_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     tensorize.add_argument("--source", required=True, type=Path, metavar="DIR", help="Hugging Face checkpoint")
     tensorize.add_argument("--output", required=True, metavar="URI", help="s3://bucket/prefix or a directory")
-    tensorize.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N")
+    tensorize.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N")
     tensorize.add_argument("--layout", choices=("hf", "vllm"), default="hf",
                            help="hf: Hugging Face names, one file (TP 1); vllm: vLLM-tensorized, one file per rank")
     tensorize.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, metavar="X.Y[.Z]",
                            help=f"vLLM release that will load the artifact (default {DEFAULT_VLLM_VERSION})")
     tensorize.add_argument("--encryption-key-file", type=Path, metavar="FILE",
                            help="32 raw key bytes: encrypt every tensor (vLLM: encryption_keyfile)")
-    _store_options(tensorize, parse_size)
+    _store_options(tensorize)
     tensorize.set_defaults(run=_tensorize)
 
     publish = subparsers.add_parser(
@@ -52,7 +52,7 @@ def add_tensorize_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     publish.add_argument("--source", required=True, type=Path, metavar="DIR")
     publish.add_argument("--output", required=True, metavar="URI", help="s3://bucket/prefix or a directory")
-    _store_options(publish, parse_size)
+    _store_options(publish)
     publish.set_defaults(run=_publish)
 
     delete = subparsers.add_parser(
@@ -67,15 +67,15 @@ def add_endpoint_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", metavar="URL", help="S3 endpoint for s3:// URIs (default: AWS_ENDPOINT_URL[_S3])")
 
 
-def _store_options(parser: argparse.ArgumentParser, parse_size) -> None:
+def _store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", metavar="URL",
                         help="S3 endpoint (default: AWS_ENDPOINT_URL[_S3]; a custom endpoint means path-style)")
     parser.add_argument("--part-size", type=parse_size, default=DEFAULT_PART_SIZE, metavar="SIZE",
                         help="multipart part size, at least 5Mi (default 32Mi; larger when 10,000 parts would "
                              "not hold an object)")
-    parser.add_argument("--concurrency", type=_positive_int, default=4, metavar="N",
+    parser.add_argument("--concurrency", type=positive_int, default=4, metavar="N",
                         help="parts in flight per object (upload and read-back; default 4)")
-    parser.add_argument("--attempts", type=_positive_int, default=DEFAULT_ATTEMPTS, metavar="N",
+    parser.add_argument("--attempts", type=positive_int, default=DEFAULT_ATTEMPTS, metavar="N",
                         help=f"tries per S3 request, retries of 5xx/timeouts/connection errors included "
                              f"(default {DEFAULT_ATTEMPTS})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
@@ -85,13 +85,6 @@ def _store_options(parser: argparse.ArgumentParser, parse_size) -> None:
 def s3_options(args: argparse.Namespace) -> S3Options:
     return S3Options(endpoint=getattr(args, "endpoint", None), attempts=getattr(args, "attempts", DEFAULT_ATTEMPTS),
                      timeout_s=getattr(args, "timeout", DEFAULT_TIMEOUT_S), concurrency=getattr(args, "concurrency", 4))
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
 
 
 def _check_part_size(size: int) -> int:
@@ -104,7 +97,8 @@ def _check_part_size(size: int) -> int:
 
 
 def _tensorize(args: argparse.Namespace) -> int:
-    from ..progress import Progress, default_sinks
+    from ..progress import Progress
+    from ..sinks import default_sinks
     from .tensorize import TensorizeJob
 
     job = TensorizeJob.prepare(args.source, args.output, layout=args.layout, tp=args.tensor_parallel_size,
@@ -119,7 +113,8 @@ def _tensorize(args: argparse.Namespace) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from ..progress import Progress, default_sinks
+    from ..progress import Progress
+    from ..sinks import default_sinks
     from .publish import PublishJob
 
     job = PublishJob.prepare(args.source, args.output, s3=s3_options(args), part_size=_check_part_size(args.part_size))
@@ -132,7 +127,6 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from ..cli import report_result
     from .delete import delete_artifact
 
     deleted = delete_artifact(args.uri, s3_options(args))
@@ -142,8 +136,6 @@ def _delete(args: argparse.Namespace) -> int:
 
 
 def _report(published) -> int:
-    from ..cli import report_result
-
     report_result(json.dumps(published.step_result()))
     print(published.digest)
     return 0

@@ -4,7 +4,7 @@ and the safetensors headers (and, for a tied LM head, the two copies compared).
 
 - `hf_files`: every tensor of the checkpoint under its own name, one file;
 - `vllm_files`: per rank, the tensors of vLLM's module tree (see versions.py),
-  cut by `ferry shard`'s plan (`shard_plan.plan_shards`): the same rule tables,
+  cut by `ferry shard`'s plan (`shard.plan.plan_shards`): the same rule tables,
   the same per-rank shapes and bytes as a `sharded_state` rank file.
 """
 from __future__ import annotations
@@ -13,14 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Union
 
-from ..shard_bytes import BlockBuffers, piece_span, read_span
-from ..shard_layouts import family_for
-from ..shard_model import ShardError
-from ..shard_plan import Constant, PlannedTensor, Rows, plan_shards
-from ..shard_safetensors import TensorLocation, itemsize
-from ..shard_source import Checkpoint
-from ..shard_versions import VllmTarget
-from ..shard_write import SourceFiles
+from ..shard.layouts import family_for
+from ..shard.model import ShardError
+from ..shard.plan import Constant, PlannedTensor, Rows, plan_shards
+from ..shard.source import Checkpoint
+from ..shard.spans import BlockBuffers, piece_span, read_span
+from ..shard.tensors import TensorLocation, itemsize
+from ..shard.versions import VllmTarget
+from ..shard.write import SourceFiles
 from .errors import ArtifactError
 from .versions import tensor_file_names
 

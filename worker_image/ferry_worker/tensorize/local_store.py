@@ -9,7 +9,7 @@ from pathlib import Path
 from ..manifest import TMP_MARKER, atomic_file, fsync_dir, sha256_file, tmp_name
 from ..paths import inside
 from .location import LocalLocation
-from .store import OnBytes, StoredObject
+from .objects import OnBytes, StoredObject
 
 COPY_BLOCK = 8 << 20
 

@@ -23,10 +23,10 @@ from typing import Iterator
 
 from .errors import StoreError
 from .location import S3Location
+from .objects import OnBytes, StoredObject
 from .s3_client import S3Options, is_not_found, make_client
 from .s3_upload import MIN_PART_SIZE, ObjectUpload, SentPart, multipart_etag, part_size_for, strip_etag
 from .spool import SpoolFile
-from .store import OnBytes, StoredObject
 
 DEFAULT_PART_SIZE = 32 << 20
 READ_BACK_RANGE = 8 << 20

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..shard_bytes import BlockBuffers
-from ..shard_plan import PlannedTensor
-from ..shard_safetensors import TensorLocation
-from ..shard_write import SourceFiles, tensor_bytes
+from ..shard.plan import PlannedTensor
+from ..shard.spans import BlockBuffers
+from ..shard.tensors import TensorLocation
+from ..shard.write import SourceFiles, tensor_bytes
 from .layouts import BUFFER, TensorEntry, TensorFile
 from .store import TensorObject
 
@@ -56,7 +56,7 @@ class TensorReader:
         if isinstance(source, PlannedTensor):
             yield from tensor_bytes(source, self._sources, self._buffers)
         elif isinstance(source, TensorLocation):
-            from ..shard_bytes import Span, read_span
+            from ..shard.spans import Span, read_span
 
             yield from read_span(self._sources.fd(source.name), Span(source.offset, source.nbytes), self._buffers)
         else:

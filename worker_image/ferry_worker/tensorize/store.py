@@ -12,25 +12,13 @@ see s3_store.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
-from ..manifest import FileEntry
 from .location import LocalLocation, Location, S3Location
+from .objects import OnBytes, StoredObject
 from .s3_client import S3Options
 
-OnBytes = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    path: str
-    size: int
-    sha256: str
-    etag: str | None = None  # S3 only: what a later HEAD must answer for the object to be unchanged
-
-    def entry(self) -> FileEntry:
-        return FileEntry(self.path, self.size, self.sha256)
+__all__ = ["OnBytes", "Store", "StoredObject", "TensorObject", "open_store"]
 
 
 class TensorObject(Protocol):

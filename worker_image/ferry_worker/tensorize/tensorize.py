@@ -22,7 +22,7 @@ from typing import Any
 from .. import __version__
 from ..manifest import MANIFEST_NAME, Manifest, manifest_digest
 from ..progress import Progress
-from ..shard_source import Checkpoint, companion_files, open_checkpoint
+from ..shard.source import Checkpoint, companion_files, open_checkpoint
 from . import artifact
 from .errors import ArtifactError, require_tensorizer
 from .layouts import TensorFile, hf_files, vllm_files

@@ -26,7 +26,7 @@ their module trees (attention scale buffers, marker handling) were not checked.
 """
 from __future__ import annotations
 
-from ..shard_versions import VllmTarget, parse_vllm_version
+from ..shard.versions import VllmTarget, parse_vllm_version
 from .errors import ArtifactError
 
 LAYOUTS = ("hf", "vllm")

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..manifest import HASH_CHUNK, FileEntry, IntegrityError, fsync_dir, partial_name
+from ..paths import inside
+from ..progress import Progress
+from ..safetensors_header import validate_safetensors
+from ..sources import DownloadSource, RangedSource, RemoteFile, Source, SourceError
 from .digests import ContentHasher, check_advertised
 from .journal import Journal
-from .manifest import HASH_CHUNK, FileEntry, IntegrityError, fsync_dir, partial_name
-from .paths import inside
-from .progress import Progress
-from .safetensors_header import validate_safetensors
-from .sources import DownloadSource, RangedSource, RemoteFile, Source, SourceError
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import MANIFEST_NAME
-from .shard_model import ShardError
-from .shard_plan import TensorSpec
-from .shard_safetensors import TensorLocation, locate_tensors
+from ..manifest import MANIFEST_NAME
+from .model import ShardError
+from .plan import TensorSpec
+from .tensors import TensorLocation, locate_tensors
 
 CONFIG_NAME = "config.json"
 # vLLM's default loader reads only the files this index names when it exists

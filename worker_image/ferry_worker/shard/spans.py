@@ -14,9 +14,9 @@ from typing import Iterator
 
 import numpy as np
 
-from .shard_model import ShardError
-from .shard_plan import Columns, Rows
-from .shard_safetensors import itemsize
+from .model import ShardError
+from .plan import Columns, Rows
+from .tensors import itemsize
 
 # Small enough to stay in the CPU cache between the read, the SHA-256 and the
 # write of a block (measured: 4 MiB blocks made the copy half as fast).

@@ -16,7 +16,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .manifest import atomic_file
+from ..manifest import atomic_file
 
 log = logging.getLogger(__name__)
 

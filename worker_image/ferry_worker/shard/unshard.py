@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .manifest import (
+from ..manifest import (
     MANIFEST_NAME,
     FileEntry,
     IntegrityError,
@@ -25,12 +25,12 @@ from .manifest import (
     verify,
     write_manifest,
 )
-from .safetensors_header import validate_safetensors
-from .shard import FORMAT
-from .shard_bytes import BlockBuffers, Span, piece_span, read_span, write_span
-from .shard_plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
-from .shard_safetensors import HeaderEntry, encode_header, itemsize
-from .shard_versions import parse_vllm_version
+from ..safetensors_header import validate_safetensors
+from .job import FORMAT
+from .plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
+from .spans import BlockBuffers, Span, piece_span, read_span, write_span
+from .tensors import HeaderEntry, encode_header, itemsize
+from .versions import parse_vllm_version
 
 UNSHARDED_NAME = "model.safetensors"
 

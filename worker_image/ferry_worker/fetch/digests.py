@@ -11,7 +11,7 @@ import hashlib
 import zlib
 from typing import Callable, Iterable, Mapping
 
-from .manifest import IntegrityError
+from ..manifest import IntegrityError
 
 
 class _Crc:

@@ -9,18 +9,17 @@ import argparse
 import logging
 from pathlib import Path
 
-from .progress import Progress, default_sinks
-from .shard import DEFAULT_MAX_PART_SIZE, ShardJob
-from .shard_unshard import unshard
-from .shard_versions import DEFAULT_VLLM_VERSION
+from ..cli_args import parse_size, positive_int
+from ..progress import Progress
+from ..sinks import default_sinks
+from .job import DEFAULT_MAX_PART_SIZE, ShardJob
+from .unshard import unshard
+from .versions import DEFAULT_VLLM_VERSION
 
 log = logging.getLogger("ferry")
 
 
 def add_shard_commands(subparsers: argparse._SubParsersAction) -> None:
-    # Imported here: cli.py imports this module to build its parser.
-    from .cli import parse_size
-
     shard = subparsers.add_parser(
         "shard", help="cut a safetensors checkpoint into vLLM sharded_state rank files (no GPU)",
         description="Write exactly the per-rank files vLLM's ShardedStateLoader expects for "
@@ -30,15 +29,15 @@ def add_shard_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     shard.add_argument("--source", required=True, type=Path, metavar="DIR", help="Hugging Face checkpoint directory")
     shard.add_argument("--output", required=True, type=Path, metavar="DIR", help="empty or new directory")
-    shard.add_argument("--tensor-parallel-size", "-tp", required=True, type=_positive_int, metavar="N")
-    shard.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1, metavar="M")
+    shard.add_argument("--tensor-parallel-size", "-tp", required=True, type=positive_int, metavar="N")
+    shard.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1, metavar="M")
     shard.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, metavar="X.Y[.Z]",
                        help=f"vLLM release that will load the artifact (default {DEFAULT_VLLM_VERSION})")
     shard.add_argument("--max-part-size", type=parse_size, default=DEFAULT_MAX_PART_SIZE, metavar="SIZE",
                        help="split a rank's tensors into parts of at most SIZE, as vLLM's saver does (default 5Gi)")
     shard.add_argument("--pp-layer-partition", type=_layer_partition, metavar="N,N,...",
                        help="layers per pipeline stage, when serving with VLLM_PP_LAYER_PARTITION set to the same")
-    shard.add_argument("--jobs", type=_positive_int, metavar="N", help="files written at once (default: cores, >= 2)")
+    shard.add_argument("--jobs", type=positive_int, metavar="N", help="files written at once (default: cores, >= 2)")
     shard.set_defaults(run=_shard)
 
     rebuild = subparsers.add_parser(
@@ -49,13 +48,6 @@ def add_shard_commands(subparsers: argparse._SubParsersAction) -> None:
     rebuild.add_argument("artifact", type=Path, metavar="ARTIFACT")
     rebuild.add_argument("--output", required=True, type=Path, metavar="DIR")
     rebuild.set_defaults(run=_unshard)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
 
 
 def _layer_partition(text: str) -> list[int]:

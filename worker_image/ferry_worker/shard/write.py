@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from .manifest import FileEntry, atomic_file
-from .shard_bytes import BlockBuffers, piece_span, read_span, zeros
-from .shard_plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
-from .shard_safetensors import HeaderEntry, TensorLocation, encode_header, itemsize
+from ..manifest import FileEntry, atomic_file
+from .plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
+from .spans import BlockBuffers, piece_span, read_span, zeros
+from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize
 
 OnBytes = Callable[[int], None]
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..manifest import MANIFEST_NAME, TMP_MARKER, FileEntry, Manifest, fsync_dir, partial_name, write_manifest
+from ..paths import inside
+from ..progress import Progress, ProgressSink
+from ..sources import RemoteFile, Source, SourceError, open_source
 from .journal import Journal
-from .manifest import MANIFEST_NAME, TMP_MARKER, FileEntry, Manifest, fsync_dir, partial_name, write_manifest
-from .paths import inside
-from .progress import Progress, ProgressSink
 from .selection import SAFETENSORS_INDEX, needs_index, parse_index, select
-from .sources import RemoteFile, Source, SourceError, open_source
 from .transfer import TransferEngine, TransferOptions
 
 log = logging.getLogger(__name__)

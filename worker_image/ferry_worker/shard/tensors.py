@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .safetensors_header import DTYPE_BITS, UnsafeSafetensorsError, validate_safetensors
-from .shard_model import ShardError
+from ..safetensors_header import DTYPE_BITS, UnsafeSafetensorsError, validate_safetensors
+from .model import ShardError
 
 METADATA = {"format": "pt"}  # what torch's save_file writes; transformers checks it
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .shard_layouts import Family
+from .layouts import Family
 
 # vLLM pads the vocabulary of VocabParallelEmbedding / ParallelLMHead to this
 # multiple (vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE) before

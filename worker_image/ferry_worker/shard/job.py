@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .manifest import MANIFEST_NAME, TMP_MARKER, FileEntry, Manifest, atomic_file, sha256_file, write_manifest
-from .shard_bytes import BlockBuffers, piece_span, read_span
-from .shard_model import ShardError
-from .shard_plan import Rows, ShardPlan, plan_shards
-from .shard_source import Checkpoint, companion_files, open_checkpoint
-from .shard_versions import DEFAULT_VLLM_VERSION, parse_vllm_version
-from .shard_write import SourceFiles, header_for, write_rank_files
+from ..manifest import MANIFEST_NAME, TMP_MARKER, FileEntry, Manifest, atomic_file, sha256_file, write_manifest
+from .model import ShardError
+from .plan import Rows, ShardPlan, plan_shards
+from .source import Checkpoint, companion_files, open_checkpoint
+from .spans import BlockBuffers, piece_span, read_span
+from .versions import DEFAULT_VLLM_VERSION, parse_vllm_version
+from .write import SourceFiles, header_for, write_rank_files
 
 # vLLM's save_sharded_state example splits parts at 5 GiB by default.
 DEFAULT_MAX_PART_SIZE = 5 << 30

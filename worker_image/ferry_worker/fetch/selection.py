@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-from .paths import safe_relative_path
+from ..paths import safe_relative_path
 
 WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin", "*.pt")
 DEFAULT_IGNORE_PATTERNS: tuple[str, ...] = ("original/**/*",)

@@ -20,10 +20,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
-from .shard_layouts import Family, Param, Placement, Source, Split, family_for
-from .shard_model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
-from .shard_safetensors import itemsize
-from .shard_versions import VllmTarget
+from .layouts import Family, Param, Placement, Source, Split, family_for
+from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
+from .tensors import itemsize
+from .versions import VllmTarget
 
 LAYER_PREFIX = "model.layers.{i}."
 SCALE_DTYPE = "F32"
