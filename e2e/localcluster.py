@@ -60,11 +60,14 @@ AUDIT_LOG = CLUSTER / "logs" / "audit.log"
 
 
 def write_audit_policy(path: Path) -> Path:
-    """Audit only writes of ModelWeights status, with their bodies; nothing else."""
+    """Audit only writes of ModelWeights status, and of pod status by service
+    accounts (the serving pods' loaders; not the kubelet's), with their bodies."""
     path.write_text(json.dumps({
         "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
         "rules": [{"level": "Request", "verbs": ["patch", "update"],
                    "resources": [{"group": "ferry.dev", "resources": ["modelweights/status"]}]},
+                  {"level": "Request", "verbs": ["patch", "update"], "userGroups": ["system:serviceaccounts"],
+                   "resources": [{"group": "", "resources": ["pods/status"]}]},
                   {"level": "None"}]}))
     return path
 

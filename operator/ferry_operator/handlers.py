@@ -24,8 +24,10 @@ from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
 from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
-from .serving import DeploymentFacts, deployment_facts
+from .serving import OWNER_ANNOTATION, DeploymentFacts, deployment_facts
+from .serving_loader import REPORTER_CLUSTER_ROLE, LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
+from .weights_loaded import PodFacts, pod_facts
 
 RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
 RETRIES = RetryPolicy(limit=int(os.environ.get("FERRY_RETRY_LIMIT", "3")),
@@ -34,6 +36,19 @@ REQUESTED_AT = "ferry.dev/requested-at"
 # Superseded artifacts deletionPolicy Retain keeps (the newest ones); older ones are removed.
 KEEP_PREVIOUS = int(os.environ.get("FERRY_RETAIN_PREVIOUS_ARTIFACTS", "1"))
 log = logging.getLogger("ferry_operator")
+
+
+def loader_settings() -> LoaderSettings:
+    """The serving pods' `ferry load` init container: the worker image unless told otherwise."""
+    return LoaderSettings(
+        image=os.environ.get("FERRY_LOADER_IMAGE") or os.environ.get("FERRY_WORKER_IMAGE") or "ferry.local/ferry:dev",
+        resources=json.loads(os.environ.get("FERRY_LOADER_RESOURCES", "{}")),
+        image_pull_policy=os.environ.get("FERRY_LOADER_IMAGE_PULL_POLICY") or None,
+    )
+
+
+LOADER = loader_settings()
+REPORTER_ROLE = os.environ.get("FERRY_REPORTER_CLUSTER_ROLE", REPORTER_CLUSTER_ROLE)
 
 
 class Executor(Protocol):
@@ -71,11 +86,13 @@ def make_executor() -> Executor:
 
 EXECUTOR: Executor | None = None
 APPS: Any = None  # kubernetes.client.AppsV1Api
+RBAC: Any = None  # kubernetes.client.RbacAuthorizationV1Api
+_reporters: set[tuple[str, str]] = set()  # (namespace, ServiceAccount) bound to the reporter role
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global EXECUTOR, APPS
+    global EXECUTOR, APPS, RBAC
     import kubernetes
 
     try:
@@ -83,6 +100,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
     APPS = kubernetes.client.AppsV1Api()
+    RBAC = kubernetes.client.RbacAuthorizationV1Api()
     EXECUTOR = make_executor()
     if os.environ.get("FERRY_METRICS_BIND"):
         metrics.serve(os.environ["FERRY_METRICS_BIND"])
@@ -99,6 +117,14 @@ def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tu
     """Deployments in the watched namespaces, fed by a watch: reading one costs
     the API server nothing, so an idle Ready ModelWeights costs it nothing."""
     return {(namespace, name): deployment_facts(body)}
+
+
+@kopf.index("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
+def serving_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodFacts]:
+    """Serving pods of wired Deployments (their template carries the owner
+    annotation), by ModelWeights: what their loaders reported."""
+    facts = pod_facts(body)
+    return {(namespace, facts.owner): facts}
 
 
 def read_deployment(namespace: str, name: str, index: Any = None) -> DeploymentFacts | None:
@@ -136,14 +162,15 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
     result = "error"
     try:
         # kopf passes each index under its handler's name.
-        result = _reconcile_and_report(body, namespace, name, uid, patch, kwargs.get("deployments"))
+        result = _reconcile_and_report(body, namespace, name, uid, patch, kwargs.get("deployments"),
+                                       kwargs.get("serving_pods"))
     finally:
         metrics.RECONCILES.labels(result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
 def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch,
-                          deployment_index: Any) -> str:
+                          deployment_index: Any, pod_index: Any = None) -> str:
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
     try:
@@ -158,7 +185,7 @@ def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, 
     actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
     result = "ok"
     try:
-        status = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index)
+        status = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index)
     except ApiException as exc:
         if exc.status != 403:  # kopf logs it and retries
             raise
@@ -198,7 +225,7 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
-               deployment_index: Any = None) -> ModelWeightsStatus:
+               deployment_index: Any = None, pod_index: Any = None) -> ModelWeightsStatus:
     """Observe, plan, act; the status the planner computed. `done` collects the
     actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
@@ -215,8 +242,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
         deployments={r.name: read_deployment(namespace, r.name, deployment_index) for r in refs},
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
+        pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
     )
-    result = plan(mw, observed, RETRIES, KEEP_PREVIOUS)
+    result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
     for step in steps:
         if step_states[step.id].phase == StepPhase.SUCCEEDED:
             metrics.step_succeeded(step.id, step.name, _format(mw))
@@ -238,10 +266,32 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             EXECUTOR.remove_artifact(mw, uid, action.artifact)
         elif isinstance(action, PatchDeployment):
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
+            if action.reporter_service_account:
+                ensure_reporter(namespace, action.reporter_service_account)
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
                                              _content_type="application/strategic-merge-patch+json")
         done.append(action)
     return result.status
+
+
+def ensure_reporter(namespace: str, service_account: str) -> None:
+    """Bind the weights-reporter role to a serving ServiceAccount (once per
+    operator process; the binding is deterministic, so 409 is success)."""
+    if (namespace, service_account) in _reporters:
+        return
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": f"ferry-weights-reporter-{service_account}"[:253], "namespace": namespace,
+                     "labels": {"app.kubernetes.io/managed-by": "ferry"}},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": REPORTER_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}],
+    }
+    try:
+        RBAC.create_namespaced_role_binding(namespace, binding)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    _reporters.add((namespace, service_account))
 
 
 # No finalizer of its own (optional=True): the timer's finalizer already routes

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 
-from .api.types import Artifact, Condition, ConditionType, ModelWeights, ModelWeightsStatus, StepRetry
+from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
+                        StepRetry)
 from .conditions import get_condition, now, phase_of, set_condition
-from .serving import DeploymentFacts, ServingError, deployment_patch
+from .serving import DeploymentFacts, ServingError, deployment_patch, loader_applies
+from .serving_loader import LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
+from .weights_loaded import PodFacts, summarize
 
 
 class StepPhase(str, Enum):
@@ -52,6 +55,7 @@ class Observed:
     artifact: ArtifactFacts | None = None  # the artifact of the current spec, once complete
     deployments: dict[str, DeploymentFacts | None] = field(default_factory=dict)  # None: not found
     requested_at: str | None = None  # the ferry.dev/requested-at annotation
+    pods: list[PodFacts] = field(default_factory=list)  # serving pods wired for this ModelWeights
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class RemoveArtifact:
 class PatchDeployment:
     name: str
     patch: dict
+    # The pods' loader reports with this ServiceAccount's token: bind it the reporter role first.
+    reporter_service_account: str | None = None
 
 
 @dataclass
@@ -117,8 +123,10 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolicy(), keep_previous: int = 1) -> Plan:
-    """`keep_previous`: how many superseded artifacts deletionPolicy Retain keeps."""
+def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolicy(), keep_previous: int = 1,
+         loader: LoaderSettings | None = None) -> Plan:
+    """`keep_previous`: how many superseded artifacts deletionPolicy Retain keeps;
+    `loader`: the serving-side loader to wire (None: none, and no readiness gate)."""
     generation = mw.metadata.generation or 0
     status = (mw.status or ModelWeightsStatus()).model_copy(deep=True)
     conditions: list[Condition] = list(status.conditions)
@@ -237,6 +245,7 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
         cond(ConditionType.PREPARED, True, "NothingToPrepare", "vLLM streams the weights from the source")
 
     refs = mw.spec.serving.deployments if mw.spec.serving else []
+    gated = bool(refs) and loader_applies(mw.spec, facts, loader)
     actions, waiting = [], []
     for ref in refs:
         current = observed.deployments.get(ref.name)
@@ -244,7 +253,7 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
             waiting.append(f"deployment {ref.name} not found")
             continue
         try:
-            patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current)
+            patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current, loader)
         except ServingError as exc:
             cond(ConditionType.SERVING_UPDATED, False, "ServingError", str(exc))
             cond(ConditionType.STALLED, True, "ServingError", str(exc))
@@ -252,14 +261,42 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
             cond(ConditionType.READY, False, "ServingError", str(exc))
             return _finish(status, conditions, generation, facts, [], None)
         if patch is not None:
-            actions.append(PatchDeployment(ref.name, patch))
+            actions.append(PatchDeployment(ref.name, patch, current.service_account if gated else None))
             waiting.append(f"deployment {ref.name} patched")
         elif not current.rolled_out:
             waiting.append(f"deployment {ref.name} rolling out")
+    status.loaded = None
+    if gated:
+        replicas = sum(d.replicas for d in (observed.deployments.get(r.name) for r in refs) if d is not None)
+        loads = summarize(observed.pods, facts.manifest_digest or "", replicas)
+        status.loaded = LoadedReplicas(replicas=loads.replicas, loaded_replicas=loads.loaded, summary=loads.text,
+                                       p50_load_seconds=loads.p50_seconds)
+        text = f"{loads.text} replicas loaded"
+        if loads.p50_seconds is not None:
+            text += f" (p50 {loads.p50_seconds:g}s)"
+        if loads.failing is not None:
+            bad = loads.failing
+            message = f"{text}; pod {bad.name}: {bad.reason}: {bad.message}"
+            cond(ConditionType.WEIGHTS_LOADED, False, bad.reason, message)
+            if bad.reason == "VerificationFailed":
+                # The prepared files are not what the manifest says: waiting will not fix that.
+                cond(ConditionType.STALLED, True, "WeightsVerificationFailed", message)
+            cond(ConditionType.RECONCILING, True, "WeightsLoadFailed", message)
+            cond(ConditionType.READY, False, "WeightsLoadFailed", message)
+            return _finish(status, conditions, generation, facts, actions, None, requeue=2.0)
+        if loads.complete:
+            cond(ConditionType.WEIGHTS_LOADED, True, "Loaded", text)
+        else:
+            cond(ConditionType.WEIGHTS_LOADED, False, "Loading", text)
+            waiting.append(text)
+    else:
+        conditions = [c for c in conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
     clear_stalled()
     if waiting:
         message = "; ".join(waiting)
         reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
+        if gated and waiting == [waiting[-1]] and waiting[-1].endswith("replicas loaded"):
+            reason = "WeightsLoading"  # rolled out as far as Deployments go; loaders still at work
         cond(ConditionType.SERVING_UPDATED, False, reason, message)
         cond(ConditionType.RECONCILING, True, reason, message)
         cond(ConditionType.READY, False, reason, message)
@@ -269,7 +306,8 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
              ", ".join(r.name for r in refs) + " serve the artifact")
     cond(ConditionType.RECONCILING, False, "Ready", "")
     cond(ConditionType.READY, True, "Ready",
-         "artifact prepared and verified" + ("; serving deployments rolled out" if refs else ""))
+         "artifact prepared and verified" + ("; serving deployments rolled out" if refs else "")
+         + (f"; weights loaded by {status.loaded.summary} replicas" if status.loaded else ""))
     # Ready: every Deployment serves the current artifact, so superseded ones
     # may go; Delete removes them all, Retain all but the newest keep_previous.
     _supersede(status, facts)

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .api.types import Artifact, FormatType, ModelWeightsSpec
+from .serving_loader import (GATE, LOADER_CONTAINER, TOKEN_VOLUME, LoaderSettings, health_probe, loader_container,
+                             token_volume, unwired_gates, wired_gates)
 from .serving_shapes import MANAGED_FLAGS, ServingError, recognise  # noqa: F401 (re-exported)
 
 MOUNT_PATH = "/ferry/weights"
@@ -38,13 +40,19 @@ class DeploymentFacts:
     template_annotations: dict[str, str]
     rolled_out: bool  # the controller has observed the latest generation and every replica is updated and available
     commands: dict[str, list[str]] = field(default_factory=dict)  # container name -> command (absent: none)
+    init_containers: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {image, args}
+    readiness_gates: list[str] = field(default_factory=list)  # condition types
+    probed: frozenset[str] = frozenset()  # containers with a readinessProbe
+    service_account: str = "default"
+    replicas: int = 1
 
 
 def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
     """What Ferry needs of a Deployment, from the object as the API serves it (JSON)."""
     meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     template = spec.get("template") or {}
-    containers = (template.get("spec") or {}).get("containers") or []
+    pod = template.get("spec") or {}
+    containers = pod.get("containers") or []
     want = spec.get("replicas", 1) if spec.get("replicas") is not None else 1
     rolled_out = (
         (status.get("observedGeneration") or 0) >= (meta.get("generation") or 0)
@@ -58,6 +66,12 @@ def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
         commands={c["name"]: list(c.get("command") or []) for c in containers},
         template_annotations=dict((template.get("metadata") or {}).get("annotations") or {}),
         rolled_out=rolled_out,
+        init_containers={c["name"]: {"image": c.get("image"), "args": list(c.get("args") or [])}
+                         for c in pod.get("initContainers") or []},
+        readiness_gates=[g.get("conditionType", "") for g in pod.get("readinessGates") or []],
+        probed=frozenset(c["name"] for c in containers if c.get("readinessProbe")),
+        service_account=pod.get("serviceAccountName") or pod.get("serviceAccount") or "default",
+        replicas=want,
     )
 
 
@@ -144,8 +158,17 @@ def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
     return env
 
 
+def loader_applies(spec: ModelWeightsSpec, artifact: Artifact, loader: LoaderSettings | None) -> bool:
+    """Whether the pods get Ferry's loader and readiness gate: asked for, and an
+    artifact with a manifest to verify (nothing is prepared for runai_streamer
+    from the source bucket, so there is nothing to check it against)."""
+    return bool(loader is not None and spec.serving is not None and spec.serving.readiness_gate
+                and artifact.manifest_digest)
+
+
 def deployment_patch(
     spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: DeploymentFacts,
+    loader: LoaderSettings | None = None,
 ) -> dict[str, Any] | None:
     """The strategic-merge patch that wires `current` to the artifact; None if already wired.
 
@@ -171,20 +194,37 @@ def deployment_patch(
         served = served_model_name(spec, shape.model, ferry_set if ours else None)
     new_command, new_args = shape.wire(model_location(artifact.uri), ferry_flags(spec), served, ours)
     digest = artifact.manifest_digest or artifact.uri
-    if (new_command == command and new_args == args and ferry_set == served
+    mounted = volume_for(artifact.uri)
+    env = s3_env(spec) if mounted is None else []
+    gated = loader_applies(spec, artifact, loader)
+    init = loader_container(loader, model_location(artifact.uri), digest, [mounted[1]] if mounted else [], env) \
+        if gated else None
+    have = current.init_containers.get(LOADER_CONTAINER)
+    loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
+                      and name in current.probed) if init else (have is None and GATE not in current.readiness_gates)
+    if (new_command == command and new_args == args and ferry_set == served and loader_current
             and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
         return None
     c: dict[str, Any] = {"name": name, "args": new_args}
     if new_command != command:
         c["command"] = new_command
     pod: dict[str, Any] = {"containers": [c]}
-    mounted = volume_for(artifact.uri)
     if mounted is not None:
         volume, mount = mounted
         pod["volumes"] = [volume]
         c["volumeMounts"] = [mount]
-    elif env := s3_env(spec):
+    elif env:
         c["env"] = env
+    if init is not None:
+        pod["initContainers"] = [init]
+        pod["readinessGates"] = wired_gates(current.readiness_gates)
+        pod.setdefault("volumes", []).append(token_volume())
+        if name not in current.probed:
+            c["readinessProbe"] = health_probe(new_command + new_args)
+    elif have is not None or GATE in current.readiness_gates:
+        pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]
+        pod["readinessGates"] = unwired_gates(current.readiness_gates)
+        pod.setdefault("volumes", []).append({"name": TOKEN_VOLUME, "$patch": "delete"})
     annotations: dict[str, Any] = {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}
     if served is not None:
         annotations[SERVED_NAME_ANNOTATION] = served

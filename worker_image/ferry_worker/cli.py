@@ -10,6 +10,7 @@ from pathlib import Path
 from . import __version__
 from .fetch.cli import add_fetch_commands
 from .results import EXIT_FAILED, EXIT_INPUT, is_input_error, report_result, step_result
+from .load.cli import add_load_commands
 from .shard.cli import add_shard_commands
 from .tensorize.commands import add_tensorize_commands
 
@@ -24,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = ap.add_subparsers(dest="command", title="commands")
     add_fetch_commands(commands)
     add_shard_commands(commands)
+    add_load_commands(commands)
     add_tensorize_commands(commands)
     return ap
 

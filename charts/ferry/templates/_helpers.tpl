@@ -28,3 +28,4 @@ app.kubernetes.io/component: operator
 {{- define "ferry.operatorServiceAccount" -}}{{ include "ferry.fullname" . }}-operator{{- end -}}
 {{- define "ferry.workerServiceAccount" -}}ferry-worker{{- end -}}
 {{- define "ferry.workerClusterRole" -}}{{ include "ferry.fullname" . }}-worker{{- end -}}
+{{- define "ferry.reporterClusterRole" -}}{{ include "ferry.fullname" . }}-weights-reporter{{- end -}}

@@ -30,6 +30,8 @@ PRINTER_COLUMNS = [
     {"name": "Format", "type": "string", "jsonPath": ".spec.format.type"},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.format.tensorParallelSize"},
     {"name": "Size", "type": "string", "jsonPath": ".status.artifact.size"},
+    {"name": "Loaded", "type": "string", "jsonPath": ".status.loaded.summary",
+     "description": "Serving pods that verified and loaded the current artifact"},
     {"name": "Progress", "type": "integer", "jsonPath": ".status.progress.percent", "description": "Percent of the running step"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

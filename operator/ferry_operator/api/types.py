@@ -512,6 +512,15 @@ class Artifact(Model):
     )
 
 
+class LoadedReplicas(Model):
+    """The serving pods of the current artifact whose loader verified and loaded the weights."""
+
+    replicas: int = Field(0, ge=0, description="Desired replicas of the wired Deployments.")
+    loaded_replicas: int = Field(0, ge=0, description="Pods of the current artifact with ferry.dev/weights-loaded True.")
+    summary: str = Field("", max_length=32, description="loadedReplicas/replicas, e.g. 3/4.")
+    p50_load_seconds: float | None = Field(None, ge=0, description="Median seconds the loaded pods' loader ran.")
+
+
 class StepRetry(Model):
     """The retries of a failed prepare step (exponential backoff, bounded)."""
 
@@ -542,6 +551,8 @@ class ModelWeightsStatus(Model):
                     "number; Delete removes them once the current artifact is serving).",
     )
     retry: StepRetry | None = Field(None, description="Retries of the failed step, while there is one.")
+    loaded: LoadedReplicas | None = Field(
+        None, description="Serving pods that loaded the current artifact (serving.readinessGate).")
     last_handled_requested_at: str | None = Field(
         None, max_length=64,
         description="The last value of the ferry.dev/requested-at annotation the operator acted on (set it to "

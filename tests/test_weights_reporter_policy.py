@@ -1,0 +1,141 @@
+"""Least privilege of the serving pods' weights reporter, on the real API server.
+
+The chart's `weights-reporter` role lets a ServiceAccount patch pods/status;
+its admission policy narrows that to: with a pod-bound token only, on the
+token's own pod only, the ferry.dev/weights-loaded condition only. Tokens are
+minted bound to a pod exactly as the kubelet mints the projected one (the
+TokenRequest API with a bound object), and the loader's own reporter sends the
+patches.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import localcluster
+from cluster_support import Kube, wait_for
+from ferry_worker.load.report import CONDITION, PodConditionReporter
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parent.parent
+
+
+# A release name of its own: tests/test_chart.py installs "ferry", whose objects these would collide with.
+RELEASE = "policy-test"
+ROLE = f"{RELEASE}-ferry-weights-reporter"
+
+
+def chart_reporter_objects() -> list[dict]:
+    out = subprocess.run([str(localcluster.binaries() / "helm"), "template", RELEASE, str(REPO / "charts/ferry"),
+                          "--namespace", "ferry-system", "--kube-version", "1.34.0",
+                          "--show-only", "templates/weights-reporter.yaml"], capture_output=True, text=True, check=True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def reporter_policy(kube: Kube):
+    objects = chart_reporter_objects()
+    assert {o["kind"] for o in objects} == {"ClusterRole", "ValidatingAdmissionPolicy",
+                                            "ValidatingAdmissionPolicyBinding"}
+    assert {o["metadata"]["name"] for o in objects} == {ROLE}
+    for o in objects:
+        kube.apply(o)
+    yield objects
+    for o in objects:
+        kube.kubectl("delete", o["kind"], ROLE, "--ignore-not-found", check=False)
+
+
+def serving_pod(kube: Kube, namespace: str, name: str) -> dict:
+    # On kwok's GPU node: the pod object is what matters here.
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"serviceAccountName": "serving", "readinessGates": [{"conditionType": CONDITION}],
+                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                         "nodeSelector": {"type": "kwok"},
+                         "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0"}]}})
+    return wait_for(lambda: (p := kube.get_json("pod", name, "-n", namespace))["status"].get("podIP") and p,
+                    f"pod {name} running on kwok")
+
+
+def token_dir(kube: Kube, namespace: str, tmp: Path, pod: dict | None) -> Path:
+    argv = ["create", "token", "serving", "-n", namespace, "--duration=10m"]
+    if pod is not None:
+        argv += ["--bound-object-kind", "Pod", "--bound-object-name", pod["metadata"]["name"],
+                 "--bound-object-uid", pod["metadata"]["uid"]]
+    d = tmp / (pod["metadata"]["name"] if pod else "unbound")
+    d.mkdir()
+    (d / "token").write_text(kube.kubectl(*argv).stdout.strip())
+    (d / "namespace").write_text(namespace)
+    ca = kube.get_json("configmap", "kube-root-ca.crt", "-n", namespace)["data"]["ca.crt"]
+    (d / "ca.crt").write_text(ca)
+    return d
+
+
+def reporter(kube: Kube, pod_name: str, tokens: Path, monkeypatch) -> PodConditionReporter:
+    # The in-cluster loader reads the API server address from the Service env, as in a pod.
+    server = yaml.safe_load(kube.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    host, port = server.removeprefix("https://").rsplit(":", 1)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+    return PodConditionReporter.connect(pod_name, tokens)
+
+
+def gate(kube: Kube, namespace: str, name: str) -> dict | None:
+    pod = kube.get_json("pod", name, "-n", namespace)
+    return next((c for c in pod["status"].get("conditions", []) if c["type"] == CONDITION), None)
+
+
+def test_a_pod_reports_on_itself_and_cannot_touch_another_pod(kube, namespace, reporter_policy, tmp_path,
+                                                              monkeypatch):
+    kube.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "serving", "namespace": namespace}})
+    kube.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": "ferry-weights-reporter-serving", "namespace": namespace},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                            "name": ROLE},
+                "subjects": [{"kind": "ServiceAccount", "name": "serving", "namespace": namespace}]})
+    a, b = serving_pod(kube, namespace, "serving-a"), serving_pod(kube, namespace, "serving-b")
+    own = reporter(kube, "serving-a", token_dir(kube, namespace, tmp_path, a), monkeypatch)
+
+    # Its own condition: allowed (the policy binding may take a moment to be enforced, so retry on denial).
+    wait_for(lambda: _ok(lambda: own.report(True, "Loaded", "verified (sha256): 3 files")), "the reporter allowed")
+    assert gate(kube, namespace, "serving-a")["reason"] == "Loaded"
+
+    # Another pod, with pod A's token: denied by the policy, naming both pods.
+    other = PodConditionReporter("serving-b", namespace, own._api)
+    with pytest.raises(PermissionError, match="on itself only: pod serving-a tried to change pod serving-b"):
+        other.report(True, "Loaded", "forged")
+    before = gate(kube, namespace, "serving-b")
+    assert before is None or before.get("reason") != "Loaded"
+
+    # Its own pod's other conditions (Ready) and fields: denied.
+    from kubernetes.client.exceptions import ApiException
+    with pytest.raises(ApiException) as denied:
+        own._api.patch_namespaced_pod_status("serving-a", namespace,
+                                             {"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+                                             _content_type="application/strategic-merge-patch+json")
+    assert denied.value.status == 403 and "only the ferry.dev/weights-loaded condition" in denied.value.body
+
+    # A token of the same account not bound to a pod: denied, so a leaked long-lived token cannot report.
+    unbound = reporter(kube, "serving-a", token_dir(kube, namespace, tmp_path, None), monkeypatch)
+    with pytest.raises(PermissionError, match="pod-bound service account token only"):
+        unbound.report(False, "Loading", "")
+
+    # Without the role binding the reporter says what is missing.
+    kube.kubectl("delete", "rolebinding", "ferry-weights-reporter-serving", "-n", namespace)
+    wait_for(lambda: _denied(lambda: own.report(True, "Loaded", "again")), "the binding's removal enforced")
+    with pytest.raises(PermissionError, match="needs Ferry.s weights-reporter ClusterRole"):
+        own.report(True, "Loaded", "again")
+
+
+def _ok(fn) -> bool:
+    try:
+        fn()
+        return True
+    except PermissionError:
+        return False
+
+
+def _denied(fn) -> bool:
+    return not _ok(fn)

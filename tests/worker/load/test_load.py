@@ -1,0 +1,143 @@
+"""`ferry load` outside a pod: verify and prefetch what a serving pod's ranks need.
+
+A real `ferry shard` artifact (TP 2) of a generated checkpoint; the loader must
+name a missing, truncated or corrupt file of the ranks it loads (exit 2), leave
+the other ranks' files alone, refuse a manifest other than the one the pod was
+wired for, and copy exactly the verified bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from checkpoints import LLAMA3, write_checkpoint
+from ferry_worker.cli import main
+from ferry_worker.load.reader import ReadOptions, read_files
+from ferry_worker.load.run import LoadRequest, load
+from ferry_worker.load.selection import SelectionError, select
+from ferry_worker.manifest import MANIFEST_NAME, FileEntry, IntegrityError, read_manifest
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.reports: list[tuple[bool, str, str]] = []
+
+    def report(self, loaded: bool, reason: str, message: str) -> None:
+        self.reports.append((loaded, reason, message))
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("load")
+    write_checkpoint(root / "checkpoint", LLAMA3)
+    assert main(["shard", "--source", str(root / "checkpoint"), "--output", str(root / "artifact"),
+                 "--tensor-parallel-size", "2"]) == 0
+    return root / "artifact"
+
+
+@pytest.fixture
+def copy_of(artifact: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "artifact"
+    target.mkdir()
+    for f in artifact.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    manifest = read_manifest(directory)
+    return directory / manifest.extra["rankFiles"][f"pp0-tp{rank}"][0]
+
+
+def digest(directory: Path) -> str:
+    return "sha256:" + hashlib.sha256((directory / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+def test_a_rank_reads_its_own_files_and_the_shared_ones(artifact: Path):
+    manifest = read_manifest(artifact)
+    rank0 = {e.path for e in select(manifest, [0]).entries}
+    both = {e.path for e in select(manifest, None).entries}
+    assert rank_file(artifact, 0).name in rank0 and rank_file(artifact, 1).name not in rank0
+    assert {"config.json", "tokenizer.json"} <= rank0
+    assert both == {e.path for e in manifest.files}
+    with pytest.raises(SelectionError, match="rank 2 is not in this artifact"):
+        select(manifest, [2])
+
+
+def test_load_verifies_reports_and_describes(artifact: Path):
+    recorder = Recorder()
+    result = load(LoadRequest(str(artifact), ranks=[1], expected_digest=digest(artifact)), recorder)
+    assert result.manifest_digest == digest(artifact)
+    assert [(r[0], r[1]) for r in recorder.reports] == [(False, "Loading"), (True, "Loaded")]
+    assert "rank 1" in recorder.reports[-1][2] and digest(artifact) in recorder.reports[-1][2]
+    assert result.selection.total_bytes == sum(e.size for e in select(read_manifest(artifact), [1]).entries)
+
+
+def test_a_flipped_byte_in_my_rank_fails_naming_the_file(copy_of: Path, caplog):
+    bad = rank_file(copy_of, 1)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    recorder = Recorder()
+    with pytest.raises(IntegrityError, match=bad.name):
+        load(LoadRequest(str(copy_of), ranks=[1]), recorder)
+    assert recorder.reports[-1][:2] == (False, "VerificationFailed") and bad.name in recorder.reports[-1][2]
+    # Rank 0 does not read rank 1's file, so it loads.
+    load(LoadRequest(str(copy_of), ranks=[0]), Recorder())
+    # The command: exit 2 (a retry fails the same way), the file named.
+    assert main(["load", "--artifact", str(copy_of), "--no-report"]) == 2
+    assert f"load failed: {bad.name}: sha256" in caplog.text
+    # --verify size reads the bytes but does not hash them: a same-size corruption passes.
+    assert main(["load", "--artifact", str(copy_of), "--no-report", "--verify", "size"]) == 0
+
+
+def test_missing_and_truncated_files_are_named_before_reading(copy_of: Path):
+    victim = rank_file(copy_of, 0)
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(IntegrityError, match=f"{victim.name}: size"):
+        load(LoadRequest(str(copy_of), verify="size"), Recorder())
+    victim.unlink()
+    with pytest.raises(IntegrityError, match=f"{victim.name}: missing"):
+        load(LoadRequest(str(copy_of)), Recorder())
+
+
+def test_a_manifest_other_than_the_wired_one_is_refused(copy_of: Path):
+    wired = digest(copy_of)
+    body = json.loads((copy_of / MANIFEST_NAME).read_text())
+    body["source"] = "somewhere else"
+    (copy_of / MANIFEST_NAME).write_text(json.dumps(body))
+    with pytest.raises(IntegrityError, match="wired for " + wired):
+        load(LoadRequest(str(copy_of), expected_digest=wired), Recorder())
+    (copy_of / MANIFEST_NAME).unlink()
+    with pytest.raises(IntegrityError, match="no ferry-manifest.json"):
+        load(LoadRequest(str(copy_of)), Recorder())
+
+
+def test_copy_to_writes_the_verified_bytes_and_the_manifest_last(artifact: Path, tmp_path: Path):
+    local = tmp_path / "local"
+    load(LoadRequest(str(artifact), ranks=[0], copy_to=local), Recorder())
+    wanted = {e.path for e in select(read_manifest(artifact), [0]).entries}
+    assert {p.name for p in local.iterdir()} == wanted | {MANIFEST_NAME}
+    for name in wanted:
+        assert (local / name).read_bytes() == (artifact / name).read_bytes()
+    assert digest(local) == digest(artifact)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_reader_reads_every_byte_in_order(tmp_path: Path, size: int):
+    data = bytes((i * 7 + 3) % 251 for i in range(size))
+    (tmp_path / "f").write_bytes(data)
+    seen: list[int] = []
+    digests = read_files(tmp_path, [FileEntry("f", size, "")], ReadOptions(readers=3, chunk_size=4096),
+                         seen.append, copy_to=tmp_path / "copy")
+    assert digests["f"] == hashlib.sha256(data).hexdigest()
+    assert sum(seen) == size and (tmp_path / "copy" / "f").read_bytes() == data
+
+
+def test_reader_fails_on_a_file_shorter_than_the_manifest_says(tmp_path: Path):
+    (tmp_path / "f").write_bytes(b"x" * 5000)
+    with pytest.raises(IntegrityError, match="f: ended at byte 5000"):
+        read_files(tmp_path, [FileEntry("f", 9000, "")], ReadOptions(readers=2, chunk_size=4096))

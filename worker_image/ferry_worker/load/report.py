@@ -1,0 +1,112 @@
+"""The pod condition `ferry.dev/weights-loaded`: what the loader tells the
+readiness gate, through the API server.
+
+In a serving pod the operator mounts a projected, pod-bound service account
+token into the loader's container only (TOKEN_DIR) and sets POD_NAME from the
+downward API. The token's ServiceAccount is bound to the ClusterRole
+`ferry-weights-reporter` (patch pods/status); the admission policy of the same
+name lets a pod-bound token of such an account change only that one condition,
+and only on its own pod (charts/ferry/templates/weights-reporter.yaml).
+
+The patch is a strategic merge patch of `status.conditions`, which merges by
+`type`: the kubelet's conditions are left as they are.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+CONDITION = "ferry.dev/weights-loaded"
+TOKEN_DIR = Path("/var/run/secrets/ferry.dev/serviceaccount")
+STANDARD_TOKEN_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+
+# Reasons (CamelCase, as condition reasons are).
+LOADING = "Loading"
+LOADED = "Loaded"
+VERIFICATION_FAILED = "VerificationFailed"  # a file is missing, the wrong size or the wrong content
+LOAD_FAILED = "LoadFailed"  # anything else: an I/O error, an unreadable store
+
+
+class Reporter(Protocol):
+    def report(self, loaded: bool, reason: str, message: str) -> None: ...
+
+
+class NoReport:
+    """Outside a pod (or --no-report): the exit status and the output say it all."""
+
+    def report(self, loaded: bool, reason: str, message: str) -> None:
+        pass
+
+
+class PodConditionReporter:
+    def __init__(self, pod: str, namespace: str, core_api: Any) -> None:
+        self.pod = pod
+        self.namespace = namespace
+        self._api = core_api
+        self._last: tuple[bool, str] | None = None
+        self._since = ""
+
+    @classmethod
+    def connect(cls, pod: str, token_dir: Path) -> "PodConditionReporter":
+        from kubernetes import client
+        from kubernetes.config.incluster_config import InClusterConfigLoader
+
+        configuration = client.Configuration()
+        # Re-reads the token file as the kubelet rotates it.
+        InClusterConfigLoader(token_filename=str(token_dir / "token"),
+                              cert_filename=str(token_dir / "ca.crt")).load_and_set(configuration)
+        namespace = (token_dir / "namespace").read_text().strip()
+        return cls(pod, namespace, client.CoreV1Api(client.ApiClient(configuration)))
+
+    def condition(self, loaded: bool, reason: str, message: str) -> dict[str, Any]:
+        key = (loaded, reason)
+        if self._last is None or self._last[0] != loaded:
+            self._since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._last = key
+        return {"type": CONDITION, "status": "True" if loaded else "False", "reason": reason,
+                "message": message[:4096], "lastTransitionTime": self._since, "lastProbeTime": None}
+
+    def report(self, loaded: bool, reason: str, message: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        body = {"status": {"conditions": [self.condition(loaded, reason, message)]}}
+        try:
+            self._api.patch_namespaced_pod_status(self.pod, self.namespace, body, field_manager="ferry-load",
+                                                  _content_type=STRATEGIC_MERGE_PATCH)
+        except ApiException as exc:
+            if exc.status in (401, 403):
+                raise PermissionError(
+                    f"cannot set condition {CONDITION} on pod {self.namespace}/{self.pod} ({exc.status} {exc.reason}: "
+                    f"{_message(exc)}): the pod's ServiceAccount needs Ferry's weights-reporter ClusterRole in this "
+                    "namespace (the operator binds it; see kubectl get rolebinding -l app.kubernetes.io/managed-by=ferry)"
+                ) from None
+            raise
+
+
+def _message(exc: Any) -> str:
+    import json
+
+    try:
+        return json.loads(exc.body).get("message", "")
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or "")
+
+
+def reporter_for(no_report: bool) -> Reporter:
+    """The pod's condition when running in a serving pod Ferry wired, else nothing."""
+    if no_report:
+        return NoReport()
+    pod = os.environ.get("POD_NAME")
+    token_dir = Path(os.environ.get("FERRY_TOKEN_DIR", TOKEN_DIR))
+    if not (token_dir / "token").is_file() and (STANDARD_TOKEN_DIR / "token").is_file():
+        token_dir = STANDARD_TOKEN_DIR
+    if not pod or not os.environ.get("KUBERNETES_SERVICE_HOST") or not (token_dir / "token").is_file():
+        log.info("not in a pod Ferry wired (POD_NAME, the API server or a token missing): reporting nothing")
+        return NoReport()
+    return PodConditionReporter.connect(pod, token_dir)

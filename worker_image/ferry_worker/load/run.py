@@ -1,0 +1,132 @@
+"""`ferry load`: verify, prefetch, report — for one serving pod's ranks.
+
+1. The manifest: its sha256 must be the digest the serving Deployment was
+   wired for (`--expected-digest`; the operator passes the one it recorded),
+   so a manifest swapped under the pod is refused before any file is trusted.
+2. Cheap checks of every file this pod needs (present, the manifest's size),
+   so a missing or truncated file is named at once.
+3. Every byte read in parallel (the page cache is then warm for vLLM) and
+   hashed against the manifest: a wrong byte is named by file. `--verify size`
+   skips the hashing (the read still happens).
+4. With `--copy-to`, the same pass writes a copy (node-local disk, for slow
+   network filesystems), its manifest last.
+
+Object-store artifacts (s3://) are checked without reading: every object's
+size and ETag against the manifest; their content hashes are not re-computed
+(vLLM streams them; `ferry verify s3://...` reads them all).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file
+from ..progress import LogLines, Progress, human_bytes
+from . import report as reasons
+from .reader import ReadOptions, read_files
+from .report import Reporter
+from .selection import Selection, select
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    artifact: str  # a directory or s3://bucket/prefix
+    ranks: list[int] | None = None  # None: every rank of the artifact
+    verify: str = "full"  # full | size
+    expected_digest: str | None = None
+    copy_to: Path | None = None
+    options: ReadOptions = ReadOptions()
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    manifest_digest: str
+    selection: Selection
+    seconds: float
+    verified: str  # what was checked, in words
+
+    def describe(self) -> str:
+        n, size = len(self.selection.entries), self.selection.total_bytes
+        rate = f" ({human_bytes(size / self.seconds)}/s)" if self.seconds > 0 and size else ""
+        return (f"{self.verified}: {n} files, {human_bytes(size)} for {self.selection.describe()} in "
+                f"{self.seconds:.1f}s{rate}; artifact {self.manifest_digest}")
+
+
+def load(request: LoadRequest, reporter: Reporter) -> LoadResult:
+    started = time.monotonic()
+    reporter.report(False, reasons.LOADING, f"verifying {request.artifact}")
+    try:
+        if request.artifact.startswith("s3://"):
+            result = _load_s3(request, started)
+        else:
+            result = _load_dir(request, started)
+    except IntegrityError as e:
+        reporter.report(False, reasons.VERIFICATION_FAILED, str(e))
+        raise
+    except Exception as e:
+        reporter.report(False, reasons.LOAD_FAILED, f"{type(e).__name__}: {e}")
+        raise
+    reporter.report(True, reasons.LOADED, result.describe())
+    return result
+
+
+def _check_digest(data: bytes, expected: str | None, where: str) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    if expected and digest != expected:
+        raise IntegrityError(f"{where}/{MANIFEST_NAME}: digest {digest}, but the serving Deployment was wired for "
+                             f"{expected}: the artifact changed after it was prepared; prepare it again")
+    return digest
+
+
+def _load_dir(request: LoadRequest, started: float) -> LoadResult:
+    root = Path(request.artifact)
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise IntegrityError(f"{root}: no {MANIFEST_NAME} (incomplete, or not prepared by ferry)")
+    data = path.read_bytes()
+    digest = _check_digest(data, request.expected_digest, str(root))
+    manifest = Manifest.from_json(data)
+    selection = select(manifest, request.ranks)
+    for entry in selection.entries:
+        file = root / entry.path
+        if not file.is_file():
+            raise IntegrityError(f"{entry.path}: missing")
+        if (size := file.stat().st_size) != entry.size:
+            raise IntegrityError(f"{entry.path}: size {size} != {entry.size} in manifest")
+    full = request.verify == "full"
+    options = ReadOptions(**{**request.options.__dict__, "hash": full})
+    with Progress("load", selection.total_bytes, [LogLines()]) as progress:
+        digests = read_files(root, selection.entries, options, progress.advance, request.copy_to)
+    if full:
+        for entry in selection.entries:
+            if digests[entry.path] != entry.sha256:
+                raise IntegrityError(f"{entry.path}: sha256 {digests[entry.path]} != {entry.sha256} in manifest")
+    if request.copy_to is not None:
+        with atomic_file(request.copy_to / MANIFEST_NAME) as f:  # last: the copy is complete
+            f.write(data)
+    verified = "verified (sha256)" if full else "verified (sizes), read"
+    return LoadResult(digest, selection, time.monotonic() - started, verified)
+
+
+def _load_s3(request: LoadRequest, started: float) -> LoadResult:
+    from ..tensorize import artifact
+    from ..tensorize.location import parse_location
+    from ..tensorize.s3_client import S3Options
+    from ..tensorize.store import open_store
+
+    store = open_store(parse_location(request.artifact), S3Options())
+    data = store.read(MANIFEST_NAME)
+    if data is None:
+        raise IntegrityError(f"{request.artifact}: no {MANIFEST_NAME} (incomplete, or not prepared by ferry)")
+    digest = _check_digest(data, request.expected_digest, request.artifact.rstrip("/"))
+    manifest = Manifest.from_json(data)
+    problem = artifact.damage(store, manifest)
+    if problem:
+        raise IntegrityError(f"{request.artifact}: {problem}")
+    return LoadResult(digest, Selection(sorted(manifest.files, key=lambda e: e.path), None),
+                      time.monotonic() - started, "checked (sizes and ETags; content not read: vLLM streams it)")
