@@ -44,6 +44,7 @@ def install_chart(kube: Kube, release: str, namespace: str, watch: str, image_re
             # Two cores on this node: small requests so Jobs and the operator fit.
             "--set", "operator.resources.requests.cpu=50m",
             "--set-json", 'worker.resources={"requests":{"cpu":"100m","memory":"256Mi"},"limits":{"memory":"1Gi"}}',
+            "--set-json", 'loader.resources={"requests":{"cpu":"100m","memory":"128Mi"},"limits":{"memory":"512Mi"}}',
             "--set", "operator.logLevel=debug", "--wait", "--timeout", "180s"]
     for s in sets:
         args += ["--set", s]
