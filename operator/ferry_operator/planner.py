@@ -246,6 +246,7 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
 
     refs = mw.spec.serving.deployments if mw.spec.serving else []
     gated = bool(refs) and loader_applies(mw.spec, facts, loader)
+    loading_only = False
     actions, waiting = [], []
     for ref in refs:
         current = observed.deployments.get(ref.name)
@@ -288,6 +289,7 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
             cond(ConditionType.WEIGHTS_LOADED, True, "Loaded", text)
         else:
             cond(ConditionType.WEIGHTS_LOADED, False, "Loading", text)
+            loading_only = not waiting  # every Deployment is wired and rolled out: only the loaders are at work
             waiting.append(text)
     else:
         conditions = [c for c in conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
@@ -295,8 +297,8 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
     if waiting:
         message = "; ".join(waiting)
         reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
-        if gated and waiting == [waiting[-1]] and waiting[-1].endswith("replicas loaded"):
-            reason = "WeightsLoading"  # rolled out as far as Deployments go; loaders still at work
+        if loading_only:
+            reason = "WeightsLoading"
         cond(ConditionType.SERVING_UPDATED, False, reason, message)
         cond(ConditionType.RECONCILING, True, reason, message)
         cond(ConditionType.READY, False, reason, message)

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .api.types import Artifact, FormatType, ModelWeightsSpec
-from .serving_loader import (GATE, LOADER_CONTAINER, TOKEN_VOLUME, LoaderSettings, health_probe, loader_container,
-                             token_volume, unwired_gates, wired_gates)
+from .serving_loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
+                             health_probe, loader_container, local_volume, token_volume, unwired_gates, wired_gates)
 from .serving_shapes import MANAGED_FLAGS, ServingError, recognise  # noqa: F401 (re-exported)
 
 MOUNT_PATH = "/ferry/weights"
@@ -192,13 +192,18 @@ def deployment_patch(
     served = None
     if shape.served_names is None or ours:
         served = served_model_name(spec, shape.model, ferry_set if ours else None)
-    new_command, new_args = shape.wire(model_location(artifact.uri), ferry_flags(spec), served, ours)
-    digest = artifact.manifest_digest or artifact.uri
-    mounted = volume_for(artifact.uri)
-    env = s3_env(spec) if mounted is None else []
     gated = loader_applies(spec, artifact, loader)
+    mounted = volume_for(artifact.uri)
+    local = gated and mounted is not None and spec.serving.local_copy
+    served_from = LOCAL_PATH if local else model_location(artifact.uri)
+    new_command, new_args = shape.wire(served_from, ferry_flags(spec), served, ours)
+    digest = artifact.manifest_digest or artifact.uri
+    env = s3_env(spec) if mounted is None else []
     init = loader_container(loader, model_location(artifact.uri), digest, [mounted[1]] if mounted else [], env) \
         if gated else None
+    if init is not None and local:
+        init["args"] += ["--copy-to", LOCAL_PATH]
+        init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
     have = current.init_containers.get(LOADER_CONTAINER)
     loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
                       and name in current.probed) if init else (have is None and GATE not in current.readiness_gates)
@@ -213,6 +218,9 @@ def deployment_patch(
         volume, mount = mounted
         pod["volumes"] = [volume]
         c["volumeMounts"] = [mount]
+        if local:
+            pod["volumes"].append(local_volume(artifact.total_bytes))
+            c["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH, "readOnly": True})
     elif env:
         c["env"] = env
     if init is not None:

@@ -17,6 +17,10 @@ manifest, every wired Deployment's pods get:
   0.32 by tests/test_vllm_weights_loaded.py), so Ready means loaded, not only
   "on disk".
 
+With `serving.localCopy` the loader also copies the files to an emptyDir on
+the node (`--copy-to`), in the same pass that verifies them, and vLLM loads
+the copy: for network filesystems slower than local disk.
+
 Turning the gate off removes the init container, the gate and the token
 volume (a probe Ferry added stays: it is true either way).
 """
@@ -31,6 +35,8 @@ GATE = "ferry.dev/weights-loaded"
 TOKEN_VOLUME = "ferry-loader-token"
 TOKEN_DIR = "/var/run/secrets/ferry.dev/serviceaccount"
 REPORTER_CLUSTER_ROLE = "ferry-weights-reporter"
+LOCAL_VOLUME = "ferry-local"  # serving.localCopy: the node-local copy vLLM loads
+LOCAL_PATH = "/ferry/local"
 TOKEN_SECONDS = 3600  # the kubelet rotates it at 80%
 VLLM_DEFAULT_PORT = 8000
 
@@ -71,6 +77,12 @@ def token_volume() -> dict[str, Any]:
         {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
         {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
     ]}}
+
+
+def local_volume(artifact_bytes: int) -> dict[str, Any]:
+    """An emptyDir on the node's disk, sized for the copy (plus slack for the manifest and filesystem)."""
+    limit = max(1 << 30, artifact_bytes + artifact_bytes // 10)
+    return {"name": LOCAL_VOLUME, "emptyDir": {"sizeLimit": str(limit)}}
 
 
 def health_probe(words: list[str]) -> dict[str, Any]:

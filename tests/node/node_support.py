@@ -36,6 +36,9 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def install_chart(kube: Kube, release: str, namespace: str, watch: str, image_ref: str, *sets: str) -> None:
     repository, _, tag = image_ref.rpartition(":")
+    for ns in (watch, namespace):  # one an earlier session deleted may still be going away
+        wait_for(lambda: kube.kubectl("get", "namespace", ns, "-o", "jsonpath={.status.phase}", check=False).stdout
+                 != "Terminating", f"namespace {ns} to finish terminating", timeout=180)
     kube.kubectl("create", "namespace", watch, check=False)
     args = ["upgrade", "--install", release, str(CHART), "--namespace", namespace, "--create-namespace",
             "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",

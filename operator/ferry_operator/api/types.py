@@ -322,8 +322,20 @@ def _first_duplicate(deployments: list[DeploymentRef]) -> int | None:
     return None
 
 
+SERVING_RULES = [
+    Rule(
+        "!self.localCopy || self.readinessGate",
+        "localCopy needs readinessGate: the loader makes the copy",
+        lambda s: not s.local_copy or s.readiness_gate,
+        ".localCopy",
+    ),
+]
+
+
 class Serving(Model):
     """Deployments to patch with --model, --load-format and flags, and roll on change."""
+
+    model_config = ConfigDict(json_schema_extra=crd_validations(SERVING_RULES))
 
     deployments: list[DeploymentRef] = Field(
         default_factory=list,
@@ -343,8 +355,18 @@ class Serving(Model):
 
     readiness_gate: bool = Field(
         True,
-        description="Add a pod readiness gate that turns true only once Ferry's loader has verified the weights.",
+        description="Add Ferry's loader (an init container that verifies the pod's files against the manifest and "
+                    "reads them into the page cache) and a pod readiness gate that turns true only once it has.",
     )
+    local_copy: bool = Field(
+        False,
+        description="The loader also copies the pod's files to node-local disk (an emptyDir) and vLLM loads them "
+                    "from there: for network filesystems slower than local disk. Needs readinessGate.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Serving":
+        return enforce(SERVING_RULES, self)
 
 
 # --- spec ---------------------------------------------------------------------
