@@ -12,7 +12,7 @@ all: test
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[operator,worker,test,tensorize]'
+	$(VENV)/bin/pip install --quiet -e '.[operator,worker,test,tensorize,bench]'
 	touch $@
 
 venv: $(VENV)/.installed

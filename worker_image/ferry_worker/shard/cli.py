@@ -10,11 +10,7 @@ import logging
 from pathlib import Path
 
 from ..cli_args import parse_size, positive_int
-from ..progress import Progress
-from ..sinks import default_sinks
-from .job import DEFAULT_MAX_PART_SIZE, ShardJob
-from .unshard import unshard
-from .versions import DEFAULT_VLLM_VERSION
+from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION
 
 log = logging.getLogger("ferry")
 
@@ -57,7 +53,13 @@ def _layer_partition(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of layer counts: {text!r}") from None
 
 
+# The sharder (numpy) is imported when a command runs, not when the parser is
+# built: `ferry load` in a serving pod's init container does not pay for it.
 def _shard(args: argparse.Namespace) -> int:
+    from ..progress import Progress
+    from ..sinks import default_sinks
+    from .job import ShardJob
+
     job = ShardJob.prepare(args.source, args.output, tp=args.tensor_parallel_size, pp=args.pipeline_parallel_size,
                            vllm_version=args.vllm_version, max_part_size=args.max_part_size,
                            pp_layer_partition=args.pp_layer_partition)
@@ -69,6 +71,8 @@ def _shard(args: argparse.Namespace) -> int:
 
 
 def _unshard(args: argparse.Namespace) -> int:
+    from .unshard import unshard
+
     manifest = unshard(args.artifact, args.output)
     log.info("rebuilt %s (%d bytes) in %s", manifest.files[0].path, manifest.files[0].size, args.output)
     return 0

@@ -23,11 +23,10 @@ from .model import ShardError
 from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
 from .spans import BlockBuffers, piece_span, read_span
-from .versions import DEFAULT_VLLM_VERSION, parse_vllm_version
+from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION, parse_vllm_version
 from .write import SourceFiles, header_for, write_rank_files
 
 # vLLM's save_sharded_state example splits parts at 5 GiB by default.
-DEFAULT_MAX_PART_SIZE = 5 << 30
 FORMAT = "sharded_state"
 
 

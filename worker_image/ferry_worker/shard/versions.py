@@ -14,6 +14,7 @@ Version = tuple[int, int, int]
 OLDEST_KNOWN: Version = (0, 8, 5)
 NEWEST_KNOWN_MINOR = (0, 33)  # every 0.33.x patch release
 DEFAULT_VLLM_VERSION = "0.32.0"  # what the compatibility tests load artifacts with
+DEFAULT_MAX_PART_SIZE = 5 << 30  # vLLM's ShardedStateLoader.save_model default
 
 # From 0.14 every Attention layer registers persistent 0-d float32 buffers
 # (layers/attention/attention.py `set_default_quant_scales(register_buffer=True)`),
