@@ -13,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "e2e"))
+sys.path.insert(0, str(REPO / "e2e" / "s3"))
 sys.path.insert(0, str(REPO / "tests"))
 
 import localcluster  # noqa: E402

@@ -44,8 +44,13 @@ VALID = {
     },
     "tensorizer-s3": manifest(
         format={"type": "tensorizer", "tensorParallelSize": 2, "tensorizer": {"numReaders": 4}},
-        storage={"s3": {"uri": "s3://ferry-artifacts/llama", "endpoint": "http://minio.storage:9000",
+        storage={"pvc": {"size": "200Gi"},
+                 "s3": {"uri": "s3://ferry-artifacts/llama", "endpoint": "http://minio.storage:9000",
                         "credentialsSecretRef": {"name": "s3-creds"}}},
+    ),
+    "runai-published-to-s3": manifest(
+        format={"type": "runai_streamer", "tensorParallelSize": 2},
+        storage={"pvc": {"size": "200Gi"}, "s3": {"uri": "s3://ferry-artifacts/llama"}},
     ),
     "runai-from-s3-source": manifest(
         source={"uri": "s3://models/qwen2-7b"}, storage=None,
@@ -76,6 +81,11 @@ INVALID = [
      "ReadWriteSometimes"),
     ("tensorizer-needs-s3", with_("format", {"type": "tensorizer"}), "spec.storage.s3",
      "required when format.type is tensorizer"),
+    ("tensorizer-needs-pvc", manifest(format={"type": "tensorizer"}, storage={"s3": {"uri": "s3://bucket/x"}}),
+     "spec.storage.pvc", "the checkpoint is fetched to the claim first"),
+    ("tensorizer-no-pp", manifest(format={"type": "tensorizer", "pipelineParallelSize": 2},
+                                  storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x"}}),
+     "spec.format.pipelineParallelSize", "tensorizer artifacts are cut per tensor-parallel rank only"),
     ("sharded-needs-pvc", with_("storage", {"s3": {"uri": "s3://bucket/x"}}), "spec.storage.pvc",
      "required when format.type is safetensors or sharded_state"),
     ("runai-needs-s3", manifest(storage=None, format={"type": "runai_streamer"}), "spec.format.type",

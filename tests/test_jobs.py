@@ -69,3 +69,46 @@ def test_bad_input_fails_the_job_at_once_and_disruptions_do_not_count():
                                                              "values": [EXIT_INPUT]}}
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     assert spec["backoffLimit"] == 3  # crashes and OOM kills still retry
+
+
+def tensorizer_mw(**tensorizer):
+    return mw(manifest(format={"type": "tensorizer", "tensorParallelSize": 2, "tensorizer": tensorizer},
+                       source={"uri": "s3://models/llama", "credentialsSecretRef": {"name": "source-creds"}},
+                       storage={"pvc": {"size": "100Gi"},
+                                "s3": {"uri": "s3://artifacts/llama", "endpoint": "http://minio:9000",
+                                       "region": "eu-west-1", "credentialsSecretRef": {"name": "store-creds"}}}))
+
+
+def test_tensorize_writes_to_its_own_prefix_with_the_stores_credentials_and_key():
+    m = tensorizer_mw(encryptionSecretRef={"name": "tensorizer-key"})
+    fetch, tensorize = prepare_steps(m.spec)
+    settings = jobs.WorkerSettings(image="ferry:dev", tensorize_image="ferry-tensorize:dev")
+    fetch_pod = jobs.job_manifest(m, fetch, "uid", settings)["spec"]["template"]["spec"]
+    (fc,) = fetch_pod["containers"]
+    assert fc["image"] == "ferry:dev" and fc["envFrom"] == [{"secretRef": {"name": "source-creds"}}]
+    pod = jobs.job_manifest(m, tensorize, "uid", settings)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "ferry-tensorize:dev" and "envFrom" not in c  # not the source's credentials
+    args = c["args"]
+    prefix = f"s3://artifacts/llama/ml/{m.metadata.name}/{tensorize.digest}"
+    assert args[args.index("--output") + 1] == prefix == jobs.artifact_uri(m, tensorize.digest)
+    assert args[args.index("--source") + 1] == f"/weights/{m.metadata.name}/{tensorize.digest}/staging"
+    assert args[-2:] == ["--encryption-key-file", "/ferry/secrets/tensorizer/key"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "store-creds"
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio:9000" and env["AWS_DEFAULT_REGION"]["value"] == "eu-west-1"
+    assert {"name": "tensorizer-key", "mountPath": "/ferry/secrets/tensorizer", "readOnly": True} in c["volumeMounts"]
+    assert any(v.get("secret", {}).get("secretName") == "tensorizer-key" for v in pod["volumes"])
+
+
+def test_s3_artifacts_are_removed_with_ferry_delete_artifact():
+    m = tensorizer_mw()
+    uri = jobs.artifact_uri(m, "abc123def456")
+    gc = jobs.cleanup_job_manifest(m, "abc123def456", "uid", SETTINGS, s3_uri=uri)
+    (c,) = gc["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:2] == ["sh", "-c"] and "ferry delete-artifact" in c["command"][2] and c["command"][3] == uri
+    assert {e["name"] for e in c["env"]} >= {"AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL"}
+    at_deletion = jobs.s3_delete_job_manifest(m, uri, SETTINGS)
+    assert "ownerReferences" not in at_deletion["metadata"]  # it must outlive the ModelWeights
+    (d,) = at_deletion["spec"]["template"]["spec"]["containers"]
+    assert d["args"] == ["delete-artifact", uri] and at_deletion["spec"]["ttlSecondsAfterFinished"] > 0

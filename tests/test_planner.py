@@ -169,11 +169,28 @@ def test_spec_change_that_shapes_the_artifact_changes_the_step_ids():
     assert spec_digest(mw(plain).spec) == spec_digest(mw(with_("format.tensorParallelSize", 8, plain)).spec)
 
 
-def test_unsupported_format_stalls_clearly():
-    m = mw(manifest(format={"type": "tensorizer"}, storage={"s3": {"uri": "s3://bucket/x"}}))
+def test_tensorizer_is_fetch_then_tensorize_into_its_own_prefix():
+    from ferry_operator.steps import s3_artifact_uri
+
+    m = mw(manifest(format={"type": "tensorizer", "tensorParallelSize": 2,
+                            "tensorizer": {"encryptionSecretRef": {"name": "key"}}},
+                    storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x/"}}))
+    fetch, tensorize = prepare_steps(m.spec)
+    assert fetch.argv[4] == "{staging}" and tensorize.name == "tensorize"
+    assert tensorize.argv[:5] == ("tensorize", "--source", "{staging}", "--output", "{artifact}")
+    assert tensorize.argv[tensorize.argv.index("--layout") + 1] == "vllm"
+    assert tensorize.argv[tensorize.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert tensorize.argv[-2:] == ("--encryption-key-file", "{tensorizer_key}")
+    digest = spec_digest(m.spec)
+    assert s3_artifact_uri(m.spec, "ns", "llama", digest) == f"s3://bucket/x/ns/llama/{digest}"
     p = plan(m, Observed())
-    assert conds(p)["Stalled"] == ("True", "UnsupportedSpec")
-    assert p.actions == []
+    assert [a.step.name for a in p.actions] == ["fetch"]
+
+
+def test_runai_streamer_with_storage_s3_publishes_the_safetensors():
+    m = mw(manifest(format={"type": "runai_streamer"},
+                    storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x"}}))
+    assert [s.name for s in prepare_steps(m.spec)] == ["fetch", "publish"]
 
 
 def test_runai_streamer_from_s3_needs_no_preparation_and_streams_from_the_source():

@@ -1,6 +1,7 @@
 """The loader wiring and the WeightsLoaded aggregation, without a cluster."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from ferry_operator.api.validation import parse
@@ -185,3 +186,28 @@ def test_local_copy_without_the_gate_is_rejected_naming_the_field():
 
     with pytest.raises(InvalidSpec, match="localCopy"):
         mw(serving={"deployments": [{"name": NAME}], "localCopy": True, "readinessGate": False})
+
+
+def test_tensorizer_from_s3_is_wired_with_the_uri_readers_and_key_without_secrets_in_args():
+    m = mw(format={"type": "tensorizer", "tensorParallelSize": 2,
+                   "tensorizer": {"numReaders": 4, "encryptionSecretRef": {"name": "key"}}},
+           storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x", "endpoint": "http://minio:9000",
+                                                   "credentialsSecretRef": {"name": "store"}}})
+    artifact = ArtifactFacts(uri="s3://bucket/x/ns/llama/abc", total_bytes=1, manifest_digest=DIGEST)
+    o = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=artifact,
+                 deployments={NAME: deployment()})
+    (action,) = plan(m, o, loader=LOADER).actions
+    pod = action.patch["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = c["args"]
+    assert args[args.index("--model") + 1] == artifact.uri
+    assert json.loads(args[args.index("--model-loader-extra-config") + 1]) == {
+        "tensorizer_uri": "s3://bucket/x/ns/llama/abc/model-rank-%03d.tensors", "num_readers": 4,
+        "encryption_keyfile": "/ferry/secrets/tensorizer/key"}
+    assert {"name": "ferry-tensorizer-key", "mountPath": "/ferry/secrets/tensorizer", "readOnly": True} \
+        in c["volumeMounts"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "store"
+    (init,) = pod["initContainers"]
+    assert init["args"][:3] == ["load", "--artifact", artifact.uri]
+    assert "AWS_ENDPOINT_URL" in {e["name"] for e in init["env"]}

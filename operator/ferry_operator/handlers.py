@@ -72,6 +72,7 @@ def make_executor() -> Executor:
             resources=json.loads(os.environ.get("FERRY_WORKER_RESOURCES", "{}")),
             node_selector=json.loads(os.environ.get("FERRY_WORKER_NODE_SELECTOR", "{}")),
             tolerations=json.loads(os.environ.get("FERRY_WORKER_TOLERATIONS", "[]")),
+            tensorize_image=os.environ.get("FERRY_TENSORIZE_IMAGE", ""),
         ))
     if kind == "local":
         from .executors.local import LocalExecutor

@@ -82,7 +82,19 @@ def model_location(artifact_uri: str) -> str:
     return MOUNT_PATH
 
 
-def ferry_flags(spec: ModelWeightsSpec) -> list[str]:
+TENSORIZER_KEY_DIR = "/ferry/secrets/tensorizer"
+TENSORIZER_KEY_VOLUME = "ferry-tensorizer-key"
+
+
+def tensorizer_uri(spec: ModelWeightsSpec, artifact_uri: str) -> str:
+    """The file (or per-rank %03d pattern) `ferry tensorize` wrote under the artifact's prefix."""
+    options = spec.format.tensorizer
+    layout = options.layout if options else "vllm"
+    name = "model-rank-%03d.tensors" if layout == "vllm" and spec.format.tensor_parallel_size > 1 else "model.tensors"
+    return f"{artifact_uri.rstrip('/')}/{name}"
+
+
+def ferry_flags(spec: ModelWeightsSpec, artifact_uri: str = "") -> list[str]:
     """Ferry's flags besides the model (which goes where the shape says)."""
     fmt = spec.format
     flags = [
@@ -94,6 +106,17 @@ def ferry_flags(spec: ModelWeightsSpec) -> list[str]:
         extra = fmt.runai_streamer.model_dump(exclude_none=True)
         if extra:
             flags += ["--model-loader-extra-config", json.dumps(extra, sort_keys=True)]
+    if fmt.type == FormatType.TENSORIZER.value and artifact_uri.startswith("s3://"):
+        # vLLM 0.32 copies these keys into its TensorizerConfig. No s3_* keys:
+        # tensorizer then takes the endpoint from AWS_ENDPOINT_URL and the
+        # credentials from boto3's chain (env from the Secret), so no secret
+        # value is ever in the Deployment (docs/worker-tensorize.md).
+        extra: dict = {"tensorizer_uri": tensorizer_uri(spec, artifact_uri)}
+        if fmt.tensorizer and fmt.tensorizer.num_readers:
+            extra["num_readers"] = fmt.tensorizer.num_readers
+        if fmt.tensorizer and fmt.tensorizer.encryption_secret_ref:
+            extra["encryption_keyfile"] = f"{TENSORIZER_KEY_DIR}/key"
+        flags += ["--model-loader-extra-config", json.dumps(extra, sort_keys=True)]
     return flags
 
 
@@ -152,6 +175,8 @@ def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
             {"name": "AWS_ENDPOINT_URL", "value": s3.endpoint},
             # S3-compatible stores usually want path-style addressing.
             {"name": "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "value": "0"},
+            # No instance metadata service to ask for credentials off AWS.
+            {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
         ]
     if s3 is not None and s3.region:
         env.append({"name": "AWS_DEFAULT_REGION", "value": s3.region})
@@ -196,7 +221,7 @@ def deployment_patch(
     mounted = volume_for(artifact.uri)
     local = gated and mounted is not None and spec.serving.local_copy
     served_from = LOCAL_PATH if local else model_location(artifact.uri)
-    new_command, new_args = shape.wire(served_from, ferry_flags(spec), served, ours)
+    new_command, new_args = shape.wire(served_from, ferry_flags(spec, artifact.uri), served, ours)
     digest = artifact.manifest_digest or artifact.uri
     env = s3_env(spec) if mounted is None else []
     init = loader_container(loader, model_location(artifact.uri), digest, [mounted[1]] if mounted else [], env) \
@@ -223,6 +248,12 @@ def deployment_patch(
             c["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH, "readOnly": True})
     elif env:
         c["env"] = env
+    key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
+    if key is not None and spec.format.type == FormatType.TENSORIZER.value:
+        pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {
+            "secretName": key.name, "defaultMode": 0o400, "items": [{"key": "key", "path": "key"}]}})
+        c.setdefault("volumeMounts", []).append({"name": TENSORIZER_KEY_VOLUME, "mountPath": TENSORIZER_KEY_DIR,
+                                                 "readOnly": True})
     if init is not None:
         pod["initContainers"] = [init]
         pod["readinessGates"] = wired_gates(current.readiness_gates)

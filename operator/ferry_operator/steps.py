@@ -23,7 +23,7 @@ class UnsupportedSpec(Exception):
 
 @dataclass(frozen=True)
 class Step:
-    name: str  # fetch | shard
+    name: str  # fetch | shard | tensorize | publish
     argv: tuple[str, ...]  # `ferry` arguments; may contain {source}, {staging}, {artifact}
     digest: str
 
@@ -64,6 +64,16 @@ def fetch_argv(spec: ModelWeightsSpec, output: str) -> tuple[str, ...]:
     return tuple(argv)
 
 
+def s3_artifact_uri(spec: ModelWeightsSpec, namespace: str, name: str, digest: str) -> str | None:
+    """Where an object-store artifact goes (tensorizer; runai_streamer published
+    to storage.s3): a prefix of its own per ModelWeights and spec digest, so
+    deletion removes exactly what Ferry wrote. None: the artifact is on a claim."""
+    s3 = spec.storage.s3 if spec.storage else None
+    if s3 is None or spec.format.type not in (FormatType.TENSORIZER.value, FormatType.RUNAI_STREAMER.value):
+        return None
+    return f"{s3.uri.rstrip('/')}/{namespace}/{name}/{digest}"
+
+
 def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
     """The ordered steps that turn the source into the artifact; empty if nothing is prepared."""
     digest = spec_digest(spec)
@@ -79,8 +89,21 @@ def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
             "--max-part-size", str(int(parse_quantity(fmt.max_part_size))),
         )
         return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("shard", shard, digest)]
-    if fmt.type == FormatType.RUNAI_STREAMER.value and spec.source.uri.startswith("s3://") and not (
-        spec.storage and spec.storage.s3
-    ):
+    if fmt.type == FormatType.TENSORIZER.value:
+        options = fmt.tensorizer
+        tensorize = [
+            "tensorize", "--source", "{staging}", "--output", "{artifact}",
+            "--layout", options.layout if options else "vllm",
+            "--tensor-parallel-size", str(fmt.tensor_parallel_size),
+            "--vllm-version", fmt.vllm_version,
+        ]
+        if options is not None and options.encryption_secret_ref is not None:
+            tensorize += ["--encryption-key-file", "{tensorizer_key}"]
+        return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("tensorize", tuple(tensorize), digest)]
+    if fmt.type == FormatType.RUNAI_STREAMER.value and spec.storage and spec.storage.s3:
+        # Published as HF-layout safetensors, which the streamer reads from S3.
+        publish = ("publish", "--source", "{staging}", "--output", "{artifact}")
+        return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("publish", publish, digest)]
+    if fmt.type == FormatType.RUNAI_STREAMER.value and spec.source.uri.startswith("s3://"):
         return []  # vLLM streams straight from the source bucket
     raise UnsupportedSpec(f"preparing format {fmt.type!r} from {spec.source.uri.split(':')[0]}:// is not implemented yet")

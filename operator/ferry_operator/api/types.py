@@ -241,6 +241,12 @@ class TensorizerOptions(Model):
     num_readers: int | None = Field(
         None, ge=1, le=64, description="Parallel readers when deserializing (vLLM TensorizerConfig.num_readers)."
     )
+    layout: Literal["vllm", "hf"] = Field(
+        "vllm",
+        description="vllm: one file per tensor-parallel rank with vLLM's own names and shapes (vLLM builds the model "
+                    "on the meta device and loads each rank's file straight into it; cut on CPU, no GPU needed). "
+                    "hf: one model.tensors with the checkpoint's names, loaded through the model's load_weights.",
+    )
 
 
 class RunaiStreamerOptions(Model):
@@ -393,6 +399,21 @@ SPEC_RULES = [
         "required when format.type is tensorizer (tensorized artifacts are written to S3)",
         lambda s: s.format.type != FormatType.TENSORIZER.value or _has_s3(s),
         ".storage.s3",
+    ),
+    Rule(
+        "!(self.format.type == 'tensorizer' || (self.format.type == 'runai_streamer' && has(self.storage)"
+        " && has(self.storage.s3))) || (has(self.storage) && has(self.storage.pvc))",
+        "required when the artifact is written to storage.s3 (tensorizer; runai_streamer with storage.s3): the "
+        "checkpoint is fetched to the claim first, and a retried step resumes from it",
+        lambda s: not (s.format.type == FormatType.TENSORIZER.value
+                       or (s.format.type == FormatType.RUNAI_STREAMER.value and _has_s3(s))) or _has_pvc(s),
+        ".storage.pvc",
+    ),
+    Rule(
+        "self.format.type != 'tensorizer' || self.format.pipelineParallelSize == 1",
+        "tensorizer artifacts are cut per tensor-parallel rank only: pipelineParallelSize must be 1",
+        lambda s: s.format.type != FormatType.TENSORIZER.value or s.format.pipeline_parallel_size == 1,
+        ".format.pipelineParallelSize",
     ),
     Rule(
         "!(self.format.type in ['safetensors', 'sharded_state']) || (has(self.storage) && has(self.storage.pvc))",

@@ -3,6 +3,9 @@
 Layout on the claim (mounted at /weights in prepare Jobs):
     <subPath>/<spec-digest>/staging    fetched original checkpoint (sharded_state)
     <subPath>/<spec-digest>/artifact   what serving pods mount read-only
+Object-store artifacts (tensorizer; runai_streamer published to storage.s3)
+go to <storage.s3.uri>/<namespace>/<name>/<spec-digest>/ instead; their
+staging stays on the claim.
 A step's result (manifest digest, bytes) comes back through the pod's
 termination message, so the operator never needs to read the volume.
 """
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.types import API_VERSION, KIND, ModelWeights
-from ..steps import Step
+from ..steps import Step, s3_artifact_uri  # noqa: F401 (s3_artifact_uri re-exported)
 
 WEIGHTS_MOUNT = "/weights"
 SOURCE_MOUNT = "/source"
@@ -30,6 +33,9 @@ WORKER_CONTAINER = "worker"
 # fails at once instead of retrying. ferry_worker.results.EXIT_INPUT (a test keeps them equal).
 WORKER_EXIT_INPUT = 2
 BACKOFF_LIMIT = 3
+TENSORIZER_KEY_DIR = "/ferry/secrets/tensorizer"
+# Steps that write to storage.s3 (with its credentials, not the source's).
+S3_WRITING_STEPS = {"tensorize", "publish"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class WorkerSettings:
     resources: dict[str, Any] = field(default_factory=dict)
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
+    # `ferry tensorize` needs torch and tensorizer (the `tensorize` extra): an image of its own may carry them.
+    tensorize_image: str = ""
 
 
 def dns_name(*parts: str, limit: int = 63) -> str:
@@ -67,7 +75,26 @@ def step_paths(mw: ModelWeights, digest: str) -> dict[str, str]:
 
 
 def artifact_uri(mw: ModelWeights, digest: str) -> str:
-    return f"pvc://{claim_name(mw)}/{step_paths(mw, digest)['artifact']}"
+    s3 = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, digest)
+    return s3 or f"pvc://{claim_name(mw)}/{step_paths(mw, digest)['artifact']}"
+
+
+def storage_s3_env(mw: ModelWeights) -> list[dict[str, Any]]:
+    """storage.s3's endpoint, region and credentials (secretKeyRef: no secret value in the Job)."""
+    s3 = mw.spec.storage.s3 if mw.spec.storage else None
+    if s3 is None:
+        return []
+    env: list[dict[str, Any]] = []
+    if s3.credentials_secret_ref is not None:
+        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
+                              ("AWS_SESSION_TOKEN", True)):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {
+                "name": s3.credentials_secret_ref.name, "key": key, "optional": optional}}})
+    if s3.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
+    if s3.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": s3.region})
+    return env
 
 
 def owner_reference(mw: ModelWeights, uid: str) -> dict[str, Any]:
@@ -107,7 +134,15 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
         volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
         source = f"file://{SOURCE_MOUNT}/{path}".rstrip("/")
-    argv = [a.format(source=source, **paths) for a in step.argv]
+    artifact = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, step.digest)
+    if artifact is not None:
+        paths["artifact"] = artifact
+    key = mw.spec.format.tensorizer.encryption_secret_ref if mw.spec.format.tensorizer else None
+    if key is not None and step.name == "tensorize":
+        volumes.append({"name": "tensorizer-key", "secret": {"secretName": key.name, "defaultMode": 0o400,
+                                                             "items": [{"key": "key", "path": "key"}]}})
+        mounts.append({"name": "tensorizer-key", "mountPath": TENSORIZER_KEY_DIR, "readOnly": True})
+    argv = [a.format(source=source, tensorizer_key=f"{TENSORIZER_KEY_DIR}/key", **paths) for a in step.argv]
     env = [
         {"name": "FERRY_MODELWEIGHTS_NAME", "value": mw.metadata.name},
         {"name": "FERRY_MODELWEIGHTS_NAMESPACE", "value": mw.metadata.namespace},
@@ -116,11 +151,13 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
         {"name": "HF_HOME", "value": f"{WEIGHTS_MOUNT}/.hf-cache"},
     ]
     env_from = []
-    if mw.spec.source.credentials_secret_ref is not None:
+    if step.name in S3_WRITING_STEPS:
+        env += storage_s3_env(mw)
+    elif mw.spec.source.credentials_secret_ref is not None:
         env_from.append({"secretRef": {"name": mw.spec.source.credentials_secret_ref.name}})
     container = {
         "name": WORKER_CONTAINER,
-        "image": settings.image,
+        "image": (settings.tensorize_image or settings.image) if step.name == "tensorize" else settings.image,
         "command": ["ferry"],
         "args": argv,
         "env": env,
@@ -174,14 +211,20 @@ def cleanup_job_name(mw: ModelWeights, digest: str) -> str:
     return dns_name(mw.metadata.name, "gc", digest[:8])
 
 
-def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings) -> dict[str, Any]:
+def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings,
+                         s3_uri: str | None = None) -> dict[str, Any]:
     """A Job that removes a superseded artifact's directory (staging and artifact) from the claim:
-    the operator never mounts claims itself."""
+    the operator never mounts claims itself. With `s3_uri`, also the objects of
+    that artifact's manifest (`ferry delete-artifact`: exactly what Ferry wrote)."""
     target = f"{WEIGHTS_MOUNT}/{sub_path(mw)}/{digest}"
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "gc"}
+    command = ["rm", "-rf", "--one-file-system", target]
+    if s3_uri is not None:
+        command = ["sh", "-c", 'ferry delete-artifact "$0" && exec rm -rf --one-file-system "$1"', s3_uri, target]
     container = {
-        "name": "gc", "image": settings.image, "command": ["rm", "-rf", "--one-file-system", target],
-        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT}],
+        "name": "gc", "image": settings.image, "command": command,
+        "env": storage_s3_env(mw) if s3_uri is not None else [],
+        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "capabilities": {"drop": ["ALL"]}},
@@ -192,7 +235,8 @@ def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: Work
         "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}}],
+        "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}},
+                    {"name": "tmp", "emptyDir": {}}],
     }
     if settings.node_selector:
         pod_spec["nodeSelector"] = settings.node_selector
@@ -228,3 +272,34 @@ def parse_result(message: str | None) -> dict[str, Any] | None:
     if not isinstance(result, dict) or "manifestDigest" not in result:
         return None
     return result
+
+
+def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings) -> dict[str, Any]:
+    """At deletion (deletionPolicy Delete): `ferry delete-artifact` of one S3
+    artifact. No owner reference: the ModelWeights is going away, and garbage
+    collection would take the Job with it before it ran; the TTL removes it."""
+    digest = uri.rstrip("/").rsplit("/", 1)[-1]
+    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "delete"}
+    container = {
+        "name": "delete", "image": settings.image, "command": ["ferry"], "args": ["delete-artifact", uri],
+        "env": storage_s3_env(mw), "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": settings.service_account, "automountServiceAccountToken": False,
+        "restartPolicy": "Never",
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if settings.node_selector:
+        pod_spec["nodeSelector"] = settings.node_selector
+    if settings.tolerations:
+        pod_spec["tolerations"] = settings.tolerations
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": dns_name(mw.metadata.name, "delete", digest[:8]), "labels": labels,
+                         "annotations": {"ferry.dev/removes": uri}},
+            "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
+                     "template": {"metadata": {"labels": labels}, "spec": pod_spec}}}

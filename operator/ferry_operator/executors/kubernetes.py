@@ -115,6 +115,21 @@ class KubernetesExecutor:
                         raise
         if artifact.uri.startswith("pvc://"):
             _create(self.batch.create_namespaced_job, ns, jobs.cleanup_job_manifest(mw, digest, uid, self.settings))
+        elif artifact.uri.startswith("s3://"):
+            # The objects its manifest names, then its staging on the claim.
+            _create(self.batch.create_namespaced_job, ns,
+                    jobs.cleanup_job_manifest(mw, digest, uid, self.settings, s3_uri=artifact.uri))
+
+    def delete(self, mw: ModelWeights) -> None:
+        """deletionPolicy Delete: the claim goes by garbage collection (its owner
+        reference); S3 artifacts Ferry wrote are removed by a Job each."""
+        recorded = ([mw.status.artifact] if mw.status and mw.status.artifact else []) + \
+            (list(mw.status.previous_artifacts) if mw.status else [])
+        for artifact in recorded:
+            if artifact.uri.startswith("s3://") and jobs.s3_artifact_uri(
+                    mw.spec, mw.metadata.namespace, mw.metadata.name, artifact.spec_digest or "") == artifact.uri:
+                _create(self.batch.create_namespaced_job, mw.metadata.namespace,
+                        jobs.s3_delete_job_manifest(mw, artifact.uri, self.settings))
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
         """The artifact is recorded in the status: its Jobs may go (TTL controller)."""

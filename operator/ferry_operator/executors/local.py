@@ -1,7 +1,9 @@
 """The local executor: prepare steps as processes on the operator's own host.
 
 Artifacts go to ROOT/<namespace>/<name>/<spec-digest>/artifact (staging beside
-it); each step's lock, pid, log and exit code live in
+it), or, for object-store formats, to storage.s3 (see steps.s3_artifact_uri),
+with storage.s3's endpoint and the credentials of its Secret (read through the
+API, as the operator's own identity may) in the worker's environment; each step's lock, pid, log and exit code live in
 ROOT/<namespace>/<name>/.steps/<step-id>/ so the state survives an operator
 restart, and `.steps/<step-id>.launches` counts the workers ever started. Used by `make demo` and the tests,
 with a local control plane, so the whole main job runs on one machine.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..steps import Step
+from ..steps import Step, s3_artifact_uri
 
 MANIFEST = "ferry-manifest.json"
 
@@ -82,9 +84,22 @@ class LocalExecutor:
             (state / "rc").write_text("2")
             lock.close()
             return
-        mapping = {"source": mw.spec.source.uri, **{k: str(v) for k, v in paths.items()}}
+        mapping = {"source": mw.spec.source.uri, **{k: str(v) for k, v in paths.items()},
+                   "tensorizer_key": str(state / "tensorizer-key")}
+        env = {**os.environ, "FERRY_MODELWEIGHTS_NAME": name, "FERRY_MODELWEIGHTS_NAMESPACE": namespace,
+               "FERRY_RESULT_FILE": str(state / "result.json")}
+        s3 = s3_artifact_uri(mw.spec, namespace, name, step.digest)
+        if s3 is not None:
+            mapping["artifact"] = s3
+            if step.name in ("tensorize", "publish"):
+                try:
+                    env.update(self._storage_env(mw, state))
+                except LookupError as exc:
+                    (state / "log").write_text(f"{exc}\n")
+                    (state / "rc").write_text("1")
+                    lock.close()
+                    return
         argv = [self.ferry_bin, *(a.format(**mapping) for a in step.argv)]
-        env = {**os.environ, "FERRY_MODELWEIGHTS_NAME": name, "FERRY_MODELWEIGHTS_NAMESPACE": namespace}
         if self.kubeconfig:
             env["KUBECONFIG"] = self.kubeconfig
         (state / "argv.json").write_text(json.dumps(argv))
@@ -97,7 +112,38 @@ class LocalExecutor:
             )
             (state / "pid").write_text(str(proc.pid))
 
+    def _storage_env(self, mw: ModelWeights, state: Path, with_key: bool = True) -> dict[str, str]:
+        """storage.s3's endpoint and region, the credentials of its Secret, the tensorizer key as a file."""
+        s3 = mw.spec.storage.s3
+        env = {"AWS_ENDPOINT_URL": s3.endpoint} if s3.endpoint else {}
+        if s3.region:
+            env["AWS_DEFAULT_REGION"] = s3.region
+        if s3.credentials_secret_ref is not None:
+            data = _secret(mw.metadata.namespace, s3.credentials_secret_ref.name)
+            env.update({k: data[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+                        if k in data})
+        key = mw.spec.format.tensorizer.encryption_secret_ref if mw.spec.format.tensorizer else None
+        if key is not None and with_key:
+            value = _secret(mw.metadata.namespace, key.name).get("key")
+            if value is None:
+                raise LookupError(f"Secret {key.name} has no key `key` (the tensorizer encryption key)")
+            path = state / "tensorizer-key"
+            path.touch(mode=0o600)
+            path.write_text(value)
+        return env
+
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
+        s3 = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, last.digest)
+        if s3 is not None:
+            # The worker's result: the manifest it published, read back from the store.
+            result = self._state(mw.metadata.namespace, mw.metadata.name, last.id) / "result.json"
+            try:
+                body = json.loads(result.read_text())
+            except (OSError, ValueError):
+                return None
+            if "manifestDigest" not in body:
+                return None
+            return ArtifactFacts(uri=s3, total_bytes=int(body["totalBytes"]), manifest_digest=body["manifestDigest"])
         directory = self._paths(mw.metadata.namespace, mw.metadata.name, last.digest)["artifact"]
         manifest = directory / MANIFEST
         if not manifest.is_file():
@@ -113,6 +159,7 @@ class LocalExecutor:
     def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None:
         """A superseded artifact: its directory (staging and artifact) and its steps' records."""
         namespace, name = mw.metadata.namespace, mw.metadata.name
+        self._delete_s3(mw, artifact)
         shutil.rmtree(self._dir(namespace, name) / artifact.spec_digest, ignore_errors=True)
         for record in (self._dir(namespace, name) / ".steps").glob(f"*-{artifact.spec_digest}*"):
             if record.is_dir():
@@ -121,7 +168,38 @@ class LocalExecutor:
                 record.unlink(missing_ok=True)
 
     def delete(self, mw: ModelWeights) -> None:
+        recorded = ([mw.status.artifact] if mw.status and mw.status.artifact else []) + \
+            (list(mw.status.previous_artifacts) if mw.status else [])
+        for artifact in recorded:
+            self._delete_s3(mw, artifact)
         shutil.rmtree(self._dir(mw.metadata.namespace, mw.metadata.name), ignore_errors=True)
+
+    def _delete_s3(self, mw: ModelWeights, artifact: Artifact) -> None:
+        """`ferry delete-artifact` of an S3 artifact Ferry wrote (its own prefix), and only of such."""
+        ours = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, artifact.spec_digest or "")
+        if not artifact.uri.startswith("s3://") or artifact.uri != ours:
+            return
+        state = self._dir(mw.metadata.namespace, mw.metadata.name) / ".delete"
+        state.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self._storage_env(mw, state, with_key=False)}
+        subprocess.run([self.ferry_bin, "delete-artifact", artifact.uri], env=env, check=True,
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=600)
+
+
+def _secret(namespace: str, name: str) -> dict[str, str]:
+    import base64
+
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        secret = client.CoreV1Api().read_namespaced_secret(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise LookupError(f"Secret {namespace}/{name} not found: create it with the store's "
+                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+        raise
+    return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
 
 def _held(lock: Path) -> bool:
