@@ -118,7 +118,10 @@ RBAC_MATRIX = [
     (OPERATOR, "create", "jobs.batch", "ml", True),
     (OPERATOR, "create", "persistentvolumeclaims", "ml", True),
     (OPERATOR, "patch", "deployments.apps", "ml", True),
-    (OPERATOR, "patch", "pods/status", "ml", True),
+    # The serving pods report their own condition; the operator never writes pod status.
+    (OPERATOR, "patch", "pods/status", "ml", False),
+    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-weights-reporter", None, True),
+    (OPERATOR, "create", "rolebindings.rbac.authorization.k8s.io", "ml", True),
     (OPERATOR, "create", "events", "ml", True),
     (OPERATOR, "create", "serviceaccounts", "ml", True),
     (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-worker", None, True),
@@ -146,6 +149,7 @@ RBAC_MATRIX = [
     (WORKER, "create", "jobs.batch", "ml", False),
     (WORKER, "patch", "deployments.apps", "ml", False),
     (WORKER, "list", "pods", "ml", False),
+    (WORKER, "patch", "pods/status", "ml", False),
 ]
 
 

@@ -98,7 +98,8 @@ def test_a_claim_whose_storage_class_does_not_exist_stalls_then_binds(crd, names
             assert crd.get_json("mw", "llama", "-n", namespace)["status"]["phase"] == "Fetching"
 
 
-@pytest.mark.parametrize("group,resource,verb", [("batch", "jobs", "create"), ("", "pods", "list")])
+@pytest.mark.parametrize("group,resource,verb", [("batch", "jobs", "create"),
+                                                 ("", "persistentvolumeclaims", "create")])
 def test_a_permission_the_operator_lacks_stalls_then_converges_once_granted(crd, namespace, tmp_path,
                                                                             group, resource, verb):
     role = chart_operator_role()
@@ -118,3 +119,14 @@ def test_a_permission_the_operator_lacks_stalls_then_converges_once_granted(crd,
         wait_condition(crd, namespace, "Stalled", "False", "Progressing")
         wait_condition(crd, namespace, "Reconciling", "True", "Unschedulable")
         assert len(crd.get_json("jobs", "-n", namespace)["items"]) == 1
+
+
+def test_a_watch_the_operator_may_not_make_stops_it_naming_the_permission(crd, namespace, tmp_path):
+    """kopf's indexes need list+watch: without it the operator would sit idle, so it refuses to start."""
+    with operator_identity(crd, namespace, without(chart_operator_role(), "", "pods", "list"), tmp_path) \
+            as (kubeconfig, _), \
+            running_operator(crd, namespace, tmp_path / "operator.log", **operator_env(kubeconfig)) as operator:
+        assert operator.wait(timeout=60) == 1
+        log = (tmp_path / "operator.log").read_text()
+        assert f"may not list pods in namespace {namespace}" in log, log[-2000:]
+        assert "Grant the chart's operator ClusterRole" in log

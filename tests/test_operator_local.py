@@ -147,9 +147,15 @@ def test_serving_deployment_is_wired_and_rolled_on_spec_change(crd, namespace, o
                             "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
                             "--served-model-name", "placeholder"]  # the name the container served
     assert template["metadata"]["annotations"]["ferry.dev/artifact-digest"] == status["artifact"]["manifestDigest"]
-    (volume,) = template["spec"]["volumes"]
-    assert volume["hostPath"]["path"] == status["artifact"]["uri"].removeprefix("file://")
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["ferry-weights"]["hostPath"]["path"] == status["artifact"]["uri"].removeprefix("file://")
+    assert set(volumes) == {"ferry-weights", "ferry-loader-token"}  # the loader's pod-bound token
     assert vllm["volumeMounts"] == [{"name": "ferry-weights", "mountPath": "/ferry/weights", "readOnly": True}]
+    (loader,) = template["spec"]["initContainers"]
+    assert loader["args"][:3] == ["load", "--artifact", "/ferry/weights"]
+    assert template["spec"]["readinessGates"] == [{"conditionType": "ferry.dev/weights-loaded"}]
+    # kwok fakes the gate True on its pods (no loader runs there): both replicas count as loaded.
+    assert status["loaded"]["summary"] == "2/2"
     assert dep["status"]["updatedReplicas"] == 2 and dep["status"]["availableReplicas"] == 2
     generation = dep["metadata"]["generation"]
     first_uri = status["artifact"]["uri"]

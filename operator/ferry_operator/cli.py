@@ -52,6 +52,13 @@ def _run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # kopf logs every timer run at INFO; Ferry logs what it does itself.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    from .preflight import check
+
+    problem = check(args.namespace or [])
+    if problem:
+        logging.getLogger("ferry_operator").error("%s", problem)
+        print(f"ferry-operator: {problem}", file=sys.stderr)
+        return 1
     kopf.run(
         standalone=args.standalone,
         clusterwide=not args.namespace,

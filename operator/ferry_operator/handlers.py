@@ -111,6 +111,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="ferry.dev", key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    # Handlers are sync and mostly wait on the API server or a fork: more
+    # threads than cores keep a burst of new objects from queueing behind each other.
+    settings.execution.max_workers = int(os.environ.get("FERRY_HANDLER_THREADS", "16"))
 
 
 @kopf.index("apps", "v1", "deployments")
@@ -126,6 +129,32 @@ def serving_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, s
     annotation), by ModelWeights: what their loaders reported."""
     facts = pod_facts(body)
     return {(namespace, facts.owner): facts}
+
+
+@kopf.index("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT})
+def prepare_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """Ferry's Jobs (prepare steps, cleanup), fed by a watch."""
+    return {(namespace, name): dict(body)}
+
+
+@kopf.index("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
+def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The pods of Ferry's Jobs, by Job: their phases and termination messages."""
+    return {(namespace, labels["job-name"]): dict(body)}
+
+
+class IndexView:
+    """The kubernetes executor's view of Jobs and pods, from the indexes above."""
+
+    def __init__(self, job_index: Any, pod_index: Any) -> None:
+        self._jobs, self._pods = job_index, pod_index
+
+    def job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        found = list(self._jobs.get((namespace, name), []))
+        return found[-1] if found else None
+
+    def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
+        return list(self._pods.get((namespace, job_name), []))
 
 
 def read_deployment(namespace: str, name: str, index: Any = None) -> DeploymentFacts | None:
@@ -163,6 +192,8 @@ def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.
     result = "error"
     try:
         # kopf passes each index under its handler's name.
+        if hasattr(EXECUTOR, "view") and "prepare_jobs" in kwargs:
+            EXECUTOR.view = IndexView(kwargs["prepare_jobs"], kwargs["prepare_pods"])
         result = _reconcile_and_report(body, namespace, name, uid, patch, kwargs.get("deployments"),
                                        kwargs.get("serving_pods"))
     finally:

@@ -5,11 +5,17 @@ cluster says about them from `diagnosis.py`; this only creates and reads
 them. Create calls tolerate 409 so a restarted operator converges. Reads are
 the API's own JSON (no client models), which is what `diagnosis` takes.
 Any other API error, a 403 included, propagates: the handlers report it.
+
+Jobs and their pods are read from `view` when the handlers give one (kopf
+indexes fed by label-selected watches: observing a preparing step costs the
+API server nothing); without one (a test driving the executor directly), by
+GET and LIST. A view may lag a create by a moment: the step then looks
+NotStarted once more and the create answers 409, which is success.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -39,9 +45,15 @@ def _read(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any] |
     return json.loads(response.data)
 
 
+class ClusterView(Protocol):
+    def job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]: ...
+
+
 class KubernetesExecutor:
     def __init__(self, settings: jobs.WorkerSettings):
         self.settings = settings
+        self.view: ClusterView | None = None
         self.core = client.CoreV1Api()
         self.batch = client.BatchV1Api()
         self.rbac = client.RbacAuthorizationV1Api()
@@ -60,7 +72,14 @@ class KubernetesExecutor:
             _create(self.core.create_namespaced_persistent_volume_claim, ns, pvc)
         _create(self.batch.create_namespaced_job, ns, jobs.job_manifest(mw, step, uid, self.settings))
 
+    def _job(self, mw: ModelWeights, step: Step) -> dict[str, Any] | None:
+        if self.view is not None:
+            return self.view.job(mw.metadata.namespace, jobs.job_name(mw, step))
+        return _read(self.batch.read_namespaced_job, jobs.job_name(mw, step), mw.metadata.namespace)
+
     def _pods(self, mw: ModelWeights, step: Step) -> list[dict[str, Any]]:
+        if self.view is not None:
+            return self.view.pods(mw.metadata.namespace, jobs.job_name(mw, step))
         selector = f"job-name={jobs.job_name(mw, step)}"
         listed = _read(self.core.list_namespaced_pod, mw.metadata.namespace, label_selector=selector)
         return list((listed or {}).get("items") or [])
@@ -77,7 +96,7 @@ class KubernetesExecutor:
 
     def observe(self, mw: ModelWeights, step: Step) -> StepState:
         ns = mw.metadata.namespace
-        job = _read(self.batch.read_namespaced_job, jobs.job_name(mw, step), ns)
+        job = self._job(mw, step)
         if job is None:
             return StepState(StepPhase.NOT_STARTED)
         if job["metadata"].get("deletionTimestamp"):
