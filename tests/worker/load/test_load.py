@@ -89,7 +89,8 @@ def test_a_flipped_byte_in_my_rank_fails_naming_the_file(copy_of: Path, caplog):
     load(LoadRequest(str(copy_of), ranks=[0]), Recorder())
     # The command: exit 2 (a retry fails the same way), the file named.
     assert main(["load", "--artifact", str(copy_of), "--no-report"]) == 2
-    assert f"load failed: {bad.name}: sha256" in caplog.text
+    # Rank files carry block digests: the block is named too.
+    assert f"load failed: {bad.name}: block 0 (bytes 0-" in caplog.text
     # --verify size reads the bytes but does not hash them: a same-size corruption passes.
     assert main(["load", "--artifact", str(copy_of), "--no-report", "--verify", "size"]) == 0
 
@@ -141,3 +142,49 @@ def test_reader_fails_on_a_file_shorter_than_the_manifest_says(tmp_path: Path):
     (tmp_path / "f").write_bytes(b"x" * 5000)
     with pytest.raises(IntegrityError, match="f: ended at byte 5000"):
         read_files(tmp_path, [FileEntry("f", 9000, "")], ReadOptions(readers=2, chunk_size=4096))
+
+
+@pytest.mark.parametrize("hashed", [True, False])
+def test_segments_cover_every_byte_once_in_order(tmp_path: Path, monkeypatch, hashed: bool):
+    from ferry_worker.load import reader
+
+    monkeypatch.setattr(reader, "MIN_SEGMENT", 4096)
+    size = 5 * 4096 + 123
+    data = bytes((i * 13 + 1) % 256 for i in range(size))
+    (tmp_path / "f").write_bytes(data)
+    options = ReadOptions(readers=8, chunk_size=1000, segments=4, files_at_once=1, hash=hashed)
+    assert [e - s for s, e in options.cut(size, 1)] == [5151, 5151, 5151, 5150]
+    seen: list[int] = []
+    digests = read_files(tmp_path, [FileEntry("f", size, "")], options, seen.append)
+    assert digests["f"] == (hashlib.sha256(data).hexdigest() if hashed else "")
+    # Progress counts each byte once: the consumer's bytes when hashing, the segments' otherwise.
+    assert sum(seen) == size
+    with pytest.raises(IntegrityError, match="f: ended at byte"):
+        read_files(tmp_path, [FileEntry("f", size + 9000, "")], options)
+
+
+def test_block_digests_verify_a_file_in_parallel_and_name_the_block(tmp_path: Path, monkeypatch):
+    from ferry_worker.load import reader
+    from ferry_worker import manifest
+
+    monkeypatch.setattr(manifest, "BLOCK_SIZE", 4096)
+    monkeypatch.setattr(reader, "BLOCK_SIZE", 4096)
+    monkeypatch.setattr(reader, "MIN_SEGMENT", 4096)
+    data = bytes((i * 7) % 256 for i in range(4 * 4096 + 10))
+    h = manifest.BlockHasher(4096)
+    for i in range(0, len(data), 1000):  # fed in uneven pieces
+        h.update(data[i:i + 1000])
+    sha256, blocks = h.result()
+    assert sha256 == hashlib.sha256(data).hexdigest() and len(blocks) == 5
+    assert blocks[1] == hashlib.sha256(data[4096:8192]).hexdigest()
+    (tmp_path / "f").write_bytes(data)
+    options = ReadOptions(readers=8, chunk_size=1500, segments=3, files_at_once=1)
+    assert all(start % 4096 == 0 for start, _ in options.cut(len(data), 1, align=4096))
+    seen: list[int] = []
+    entry = FileEntry("f", len(data), sha256, blocks)
+    assert read_files(tmp_path, [entry], options, seen.append) == {"f": sha256} and sum(seen) == len(data)
+    bad = bytearray(data)
+    bad[3 * 4096 + 5] ^= 1
+    (tmp_path / "f").write_bytes(bytes(bad))
+    with pytest.raises(IntegrityError, match=r"f: block 3 \(bytes 12288-16383\)"):
+        read_files(tmp_path, [entry], options)

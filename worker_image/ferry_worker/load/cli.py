@@ -28,7 +28,8 @@ def add_load_commands(subparsers: argparse._SubParsersAction) -> None:
                       help="the manifest digest the pod was wired for; another manifest is refused")
     load.add_argument("--copy-to", type=Path, metavar="DIR",
                       help="also copy the files (and the manifest, last) to DIR, e.g. node-local disk")
-    load.add_argument("--readers", type=positive_int, default=16, metavar="N", help="reads in flight (default 16)")
+    load.add_argument("--readers", type=positive_int, default=16, metavar="N",
+                      help="threads reading file segments, over all files (default 16)")
     load.add_argument("--chunk-size", type=parse_size, default=8 << 20, metavar="SIZE",
                       help="bytes per read (default 8Mi)")
     load.add_argument("--no-report", action="store_true",

@@ -12,14 +12,13 @@ page cache the checkpoint is read from disk about once.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from ..manifest import FileEntry, atomic_file
+from ..manifest import BlockHasher, FileEntry, atomic_file
 from .plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
 from .spans import BlockBuffers, piece_span, read_span, zeros
 from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize
@@ -71,7 +70,7 @@ def write_rank_files(files: tuple[PlannedFile, ...], directory: Path, locations:
 
 def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[str, TensorLocation],
                     on_bytes: OnBytes) -> FileEntry:
-    digest, size = hashlib.sha256(), 0
+    digest, size = BlockHasher(), 0
     buffers = BlockBuffers()
     with SourceFiles(locations) as sources, atomic_file(directory / planned.name) as out:
         def emit(chunk: memoryview | bytes) -> None:
@@ -85,7 +84,8 @@ def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[st
         for tensor in data_order(planned.tensors):
             for chunk in tensor_bytes(tensor, sources, buffers):
                 emit(chunk)
-    return FileEntry(planned.name, size, digest.hexdigest())
+    sha256, blocks = digest.result()
+    return FileEntry(planned.name, size, sha256, blocks)
 
 
 def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:
