@@ -80,6 +80,7 @@ sys.path.insert(0, str(REPO / "worker_image"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import load_paths  # noqa: E402
+from cache_state import drop_page_cache as _drop, read_through  # noqa: E402
 
 GENERATOR_VERSION = 1  # part of the data key: bump when the generated checkpoint changes
 DATA_MARKER = "bench-data.json"  # written last into a complete dataset directory
@@ -275,23 +276,6 @@ def rank_files(artifact: Path, rank: int) -> tuple[list[Path], list[Path]]:
 
 def log(message: str) -> None:
     print(f"[load_bench] {message}", file=sys.stderr, flush=True)
-
-
-def drop_page_cache() -> None:
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"cannot drop the page cache ({e}): run as root, or measure with --warm") from None
-
-
-def read_through(files: list[Path]) -> None:
-    """One untimed read of every byte (--warm)."""
-    buf = bytearray(WRITE_CHUNK)
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def children_read_bytes() -> int:
@@ -547,3 +531,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def drop_page_cache() -> None:
+    _drop("measure with --warm")

@@ -109,12 +109,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO / "e2e" / "s3"))
 sys.path.insert(0, str(REPO / "worker_image"))
 sys.path.insert(0, str(HERE))
+from cache_state import drop_page_cache as _drop, read_through  # noqa: E402
 
 BENCH_VERSION = 1  # part of the data key, with load_bench's GENERATOR_VERSION
 BUCKET = "bench"
 UPLOADS = "uploads"  # prefix of the upload cases' fresh prefixes
 DISK_BUDGET = 10 * 10**9
-READ_CHUNK = 16 << 20
 LOAD_CASES = ("runai", "tensorizer", "boto3")
 UPLOAD_CASES = ("ferry_tensorize", "ferry_publish", "boto3_upload")
 ALL_CASES = LOAD_CASES + UPLOAD_CASES
@@ -390,22 +390,6 @@ def run_logged(argv: list[str], env: dict, log_path: Path, timeout: float | None
 
 
 # ---------------------------------------------------------------- measuring
-
-
-def drop_page_cache() -> None:
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"cannot drop the page cache ({e}): run as root, or measure warm (no --cold)") from None
-
-
-def read_through(files: list[Path]) -> None:
-    buf = bytearray(READ_CHUNK)
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def prepare(files: list[Path], cold: bool) -> None:
@@ -779,3 +763,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         log("interrupted; the S3 server and any child were stopped")
         sys.exit(130)
+
+
+def drop_page_cache() -> None:
+    _drop("measure warm (no --cold)")

@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cache_state import try_drop_page_cache  # noqa: E402
+
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 4096, 32, 8, 14336, 128256
 HEAD_DIM = HIDDEN // HEADS
 FILE_LIMIT = 2 << 30  # Hub checkpoints are split in files of a few GB
@@ -93,15 +96,6 @@ def write_checkpoint(directory: Path, layers: int) -> int:
     return total
 
 
-def drop_page_cache() -> bool:
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def timed(argv: list[str]) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one command.
 
@@ -138,7 +132,7 @@ def main() -> int:
         for _ in range(args.runs):
             for label in times:
                 target = root / "copy"
-                cold &= drop_page_cache()
+                cold &= try_drop_page_cache()
                 if label == "ferry shard":
                     elapsed, rss = timed([*args.ferry.split(), "shard", "--source", str(source), "--output",
                                           str(target), "--tensor-parallel-size", str(args.tp)])
