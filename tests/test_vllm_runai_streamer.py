@@ -32,12 +32,13 @@ extra as runai-model-streamer[s3]==0.17.1), nothing for other releases or GPUs.
    with its env, FERRY_RESULT_FILE (/dev/termination-log in a pod) mapped to a
    file: it checks every object's size and ETag against the manifest. Then
    exactly the vLLM container's command + args run as `vllm serve ...` through
-   tests/vllm_serve.py, with only the flags in test_vllm_weights_loaded.py's
+   tests/vllm_serve.py, with only the flags in vllm_server.py's
    `extra_flags` added (--host 127.0.0.1 --port PORT --enforce-eager), in an
    environment of this machine's (minus any AWS_* / RUNAI_* variable, so the
-   store is reached only through Ferry's env), the CPU settings that test
-   uses (`vllm_env`: threads bound one core per rank, 1 GiB KV cache, no usage
-   stats, TMPDIR in the test's directory), VLLM_ASSETS_CACHE in the test's
+   store is reached only through Ferry's env), the CPU settings
+   test_vllm_weights_loaded.py uses too (vllm_server.py's `vllm_env`: threads
+   bound one core per rank, 1 GiB KV cache, no usage stats, TMPDIR in the
+   test's directory), VLLM_ASSETS_CACHE in the test's
    directory (vLLM pulls config and tokenizer of an s3:// model there) and the
    Deployment's resolved env, last. At TP 1 (no runaiStreamer options: no
    --model-loader-extra-config) and TP 2 (runaiStreamer {concurrency: 4,
@@ -58,7 +59,7 @@ extra as runai-model-streamer[s3]==0.17.1), nothing for other releases or GPUs.
    started is stopped. Without vLLM: `ferry load` on a copy of the prefix
    with one object's bytes changed (same size) exits 2 naming that object.
 
-Extra flags (test_vllm_weights_loaded.extra_flags): --host 127.0.0.1 --port
+Extra flags (vllm_server.extra_flags): --host 127.0.0.1 --port
 PORT (loopback only), --enforce-eager (no torch.compile warm-up; the
 reference runs eager too). Nothing else is added to Ferry's command line.
 
@@ -76,13 +77,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -97,8 +94,8 @@ from checkpoints import hf_tensor_shapes, write_checkpoint
 from s3server import S3Server
 from serving_cases import CONTAINER, apply, command_line, facts
 from spec_cases import manifest
-from test_vllm_weights_loaded import (CASE, FERRY, GENERATE, MAX_TOKENS, PROMPTS, SERVE_SHIM, USER_ARGS, USER_MODEL,
-                                      _group_alive, _post, _stop, extra_flags, free_port, vllm_env)
+from vllm_server import CASE, FERRY, USER_ARGS, USER_MODEL, ServerRun, free_port, port_is_open, serve_argv, vllm_env
+from vllm_tokens import MAX_TOKENS, PROMPTS, assert_reference_varies, start_reference
 
 BUCKET = "ferry-artifacts"
 NAMESPACE = "default"
@@ -114,7 +111,6 @@ FORMATS = {
 EXTRA_CONFIG = {1: None, 2: {"concurrency": 4, "memory_limit": -1}}
 # vLLM 0.32's progress bar in runai_safetensors_weights_iterator (model_executor/model_loader/weight_utils.py).
 STREAMER_BAR = "Loading safetensors using Runai Model Streamer"
-READY_DEADLINE_S = 600
 WEIGHT_FILES = [f"model-{n:05d}-of-{CASE.files:05d}.safetensors" for n in range(1, CASE.files + 1)]
 # Variables that would reach a store other than through Ferry's env: none may leak in from this machine.
 STORE_ENV_PREFIXES = ("AWS_", "RUNAI_")
@@ -244,52 +240,29 @@ def wire(pub: Published, tp: int) -> Wired:
     return Wired(tp, action.patch, command + args, container["env"], init)
 
 
-@dataclass
-class Served:
+@dataclass(kw_only=True)
+class Served(ServerRun):
     wired: Wired
-    argv: list[str]  # what was exec'd
     env: dict[str, str]  # the Deployment's env, resolved
     load: subprocess.CompletedProcess
     assets: Path  # VLLM_ASSETS_CACHE
     s3_log: str = ""  # what the S3 server logged while this server ran (from its start to its stop)
-    lines: list[tuple[float, str, str]] = field(default_factory=list)
-    completions: dict | None = None
-    exit_code: int | None = None
-    leftovers: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def log(self, last: int = 150) -> str:
-        return "\n".join(f"{t:8.3f} {s} {line}" for t, s, line in self.lines[-last:])
 
 
 @pytest.fixture(scope="module")
 def reference_run(published: Published, vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
     """Greedy tokens of the ORIGINAL checkpoint (vLLM's LLM, load_format auto) at TP 1 and TP 2, in one
     process started before the servers and run beside them (as test_vllm_weights_loaded.py does)."""
-    spec = [{"model": str(published.original), "load_format": "auto", "tp": tp, "pp": 1, "dtype": "auto",
-             "prompts": PROMPTS, "max_tokens": MAX_TOKENS} for tp in sorted(FORMATS)]
     root = tmp_path_factory.mktemp("runai-reference")
-    with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:
-        proc = subprocess.Popen([vllm_python, str(GENERATE), json.dumps(spec)], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, env=without_store_env(vllm_env(root / "tmp")),
-                                cwd=root, start_new_session=True)
-    yield proc, root
-    left = _stop(proc) if proc.poll() is None or _group_alive(proc.pid) else []
-    assert not left, f"the reference left processes: {left}"
+    run = start_reference(vllm_python, published.original, sorted(FORMATS), root,
+                          without_store_env(vllm_env(root / "tmp")))
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(reference_run, served_all) -> dict[int, dict]:
-    proc, root = reference_run
-    try:
-        proc.wait(900)
-    except subprocess.TimeoutExpired:
-        pass
-    stdout, stderr = (root / "stdout").read_text(), (root / "stderr").read_text()
-    lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(lines) != len(FORMATS):
-        pytest.fail(f"the reference exited {proc.returncode}:\n{stdout[-4000:]}\n{stderr[-8000:]}")
-    return {tp: json.loads(line) for tp, line in zip(sorted(FORMATS), lines)}
+    return reference_run.results()
 
 
 def serve(pub: Published, tp: int, vllm_python: str, tmp: Path) -> Served:
@@ -311,58 +284,18 @@ def serve(pub: Published, tp: int, vllm_python: str, tmp: Path) -> Served:
     log_from = server_log.stat().st_size
     port = free_port()
     assert wired.argv[:2] == ["vllm", "serve"]
-    argv = [vllm_python, str(SERVE_SHIM), *wired.argv, *extra_flags(port)]
     assets = tmp / "vllm-assets"
     env = {**without_store_env(vllm_env(tmp / "tmp")), "VLLM_ASSETS_CACHE": str(assets), **resolved}
-    result = Served(wired=wired, argv=argv, env=resolved, load=load, assets=assets, seconds={"ferry load": load_s})
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, errors="replace", env=env, cwd=tmp, start_new_session=True)
-
-    def read(stream, name: str) -> None:
-        for line in stream:
-            for part in line.rstrip("\n").split("\r"):  # tqdm redraws with \r
-                if part:
-                    result.lines.append((time.monotonic() - t0, name, part))
-
-    readers = [threading.Thread(target=read, args=(proc.stdout, "out"), daemon=True),
-               threading.Thread(target=read, args=(proc.stderr, "err"), daemon=True)]
-    for r in readers:
-        r.start()
+    result = Served(argv=serve_argv(vllm_python, wired.argv, port), port=port, wired=wired, env=resolved, load=load,
+                    assets=assets, seconds={"ferry load": load_s})
+    served_name = wired.patch["spec"]["template"]["metadata"]["annotations"]["ferry.dev/served-model-name"]
     try:
-        ok = False
-        while time.monotonic() - t0 < READY_DEADLINE_S and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0) as resp:
-                    ok = resp.status == 200
-            except (urllib.error.URLError, OSError):
-                pass
-            if ok:
-                break
-            time.sleep(0.25)
-        result.seconds["vllm ready"] = time.monotonic() - t0
-        if not ok:
-            pytest.fail(f"vLLM TP {tp} never answered /health 200 (exit {proc.poll()}, "
-                        f"{time.monotonic() - t0:.0f} s):\n{result.log()}")
-        served_name = wired.patch["spec"]["template"]["metadata"]["annotations"]["ferry.dev/served-model-name"]
-        t = time.monotonic()
-        result.completions = _post(port, "/v1/completions", {
-            "model": served_name, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True})
-        result.seconds["completions"] = time.monotonic() - t
+        result.run(env=env, cwd=tmp, model=served_name, prompts=PROMPTS, max_tokens=MAX_TOKENS, name=f"vLLM TP {tp}")
     finally:
-        t = time.monotonic()
-        result.leftovers = _stop(proc)
-        result.exit_code = proc.returncode
-        result.seconds["stop"] = time.monotonic() - t
-        for r in readers:
-            r.join(10)
         with open(server_log, "rb") as f:
             f.seek(log_from)
             result.s3_log = f.read().decode(errors="replace")
-    with socket.socket() as s:
-        s.settimeout(1)
-        assert s.connect_ex(("127.0.0.1", port)) != 0, "the port is still open after stopping vLLM"
+    assert not port_is_open(port), "the port is still open after stopping vLLM"
     return result
 
 
@@ -495,6 +428,6 @@ def test_served_greedy_tokens_equal_the_original_checkpoints(served_all: dict[in
     assert served.completions["model"] == USER_MODEL and len(choices) == len(PROMPTS)
     ref = reference[tp]["tokens"]
     got = [c["token_ids"] for c in choices]
-    for prompt, tokens, want in zip(PROMPTS, got, ref):
-        assert len(set(want)) > MAX_TOKENS // 4, f"prompt {prompt}: the fixture model just repeats itself"
+    for prompt, want in zip(PROMPTS, ref):
+        assert_reference_varies(prompt, want)
     assert got == ref, f"TP {tp}: served from S3 vs the original at TP {tp}:\nserved:   {got}\noriginal: {ref}"

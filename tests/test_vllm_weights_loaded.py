@@ -14,7 +14,7 @@ Proven on vLLM 0.32.0 only: the one release installable here
    --expected-digest <the manifest digest the operator records>` verifies it
    and exits 0. Then exactly those args run as `vllm serve ...` (the venv's
    console script, through vllm_serve.py for the two things that script
-   lacks in this venv) plus only the flags in `extra_flags`; vLLM loads the
+   lacks in this venv) plus only the flags in vllm_server.py's `extra_flags`; vLLM loads the
    artifact with ShardedStateLoader at TP 2 (both workers log the artifact
    path; the engine config shows sharded_state, TP 2, the user's max len and
    Ferry's served name) and serves it under the name Ferry chose. Without
@@ -35,7 +35,8 @@ Proven on vLLM 0.32.0 only: the one release installable here
    completions (token-id prompts, 16 tokens, `return_token_ids`) from the
    server equal the greedy tokens of the ORIGINAL checkpoint loaded by
    vLLM's LLM with load_format `auto` at TP 1 (worker/shard/vllm_generate.py),
-   up to TP 1 / TP 2 numerical ties, judged as test_shard_vllm.py does.
+   up to TP 1 / TP 2 numerical ties, judged as test_shard_vllm.py judges them
+   (vllm_tokens.assert_greedy_tokens_match).
 
 Not covered: the `safetensors` wiring through a running server (a second
 server would add ~40 s; test_serving_vllm.py feeds that wiring to vLLM's own
@@ -51,21 +52,11 @@ beside the server instead of after it saved ~20 s (112 s serial, same load).
 """
 from __future__ import annotations
 
-import getpass
 import hashlib
-import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -74,73 +65,20 @@ from ferry_operator.api.types import Artifact
 from ferry_operator.api.validation import parse
 from ferry_operator.serving import MOUNT_PATH, VOLUME_NAME, deployment_patch
 
-from checkpoints import LLAMA3, ModelCase, write_checkpoint
+from checkpoints import write_checkpoint
 from serving_cases import CONTAINER, apply, command_line, facts
 from spec_cases import manifest
+from vllm_server import (CASE, FERRY, POLL_EVERY_S, POLL_TIMEOUT_S, USER_ARGS, USER_MODEL, ServerRun, free_port,
+                         port_is_open, serve_argv, vllm_env)
+from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match, start_reference
 
-TESTS = Path(__file__).resolve().parent
-SERVE_SHIM = TESTS / "vllm_serve.py"
-GENERATE = TESTS / "worker" / "shard" / "vllm_generate.py"
-# The ferry CLI next to the python running the tests (.venv/bin/ferry), else the module.
-_FERRY_BIN = Path(sys.executable).with_name("ferry")
-FERRY = [str(_FERRY_BIN)] if _FERRY_BIN.exists() else [sys.executable, "-m", "ferry_worker.cli"]
-
-# tests/worker/shard/test_shard_vllm.py's LLAMA_GQA: TP 2 > 1 KV head (replicated), vocab 1000, bf16, untied.
-CASE = ModelCase("llama-gqa-kv1", {**LLAMA3.config, "num_attention_heads": 4, "num_key_value_heads": 1,
-                                   "num_hidden_layers": 2}, "BF16", files=2)
 TP = 2
-# What the Deployment says before Ferry wires it: the model by a Hub-style name and a user flag.
-USER_MODEL = "ferry-test/llama-gqa-kv1"
-USER_ARGS = [USER_MODEL, "--max-model-len", "256"]
-PROMPTS = [[5, 17, 300], [999, 4], [7], [100, 200, 300, 400], [42, 42, 42], [640, 1, 960]]
-MAX_TOKENS = 16
-NEAR_TIE_NATS = 0.5  # as in test_shard_vllm.py: TP 1 vs TP 2 bf16 reductions differ by up to 1/4
 
 # vLLM 0.32 logs this (local TP rank 0) once the weights are copied into the model:
 # model_executor/model_loader/sharded_state_loader.py `logger.info_once("Loading weights took %.2f seconds", ...)`.
 WEIGHTS_LOADED = "Loading weights took "
 # ... and the engine core this once every worker has loaded and the KV cache exists (v1/engine/core.py).
 ENGINE_INITIALIZED = "init engine (profile, create kv cache, warmup model) took"
-POLL_EVERY_S = 0.25
-POLL_TIMEOUT_S = 1.0
-READY_DEADLINE_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def extra_flags(port: int) -> list[str]:
-    """The only flags added to Ferry's wired command line, and why:
-
-    --host 127.0.0.1 --port PORT  bind loopback only, on a free port (a pod gets its own network namespace);
-    --enforce-eager               no torch.compile warm-up: ~30 s more on 2 cores, and a compile cache
-                                  written to ~/.cache/vllm. The TP 1 reference (vllm_generate.py) runs
-                                  eager too, so both sides run the same kernels. Loading is untouched.
-    Nothing else: the dtype is vLLM's auto (config.json's bf16 here), the max model len is the
-    Deployment's own flag, and the rest is what the wired command line makes of it.
-    """
-    return ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager"]
-
-
-def vllm_env(tmp: Path) -> dict[str, str]:
-    """Environment, not flags: what the CPU build needs here, and nothing that reaches off the machine."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    # torch keeps its CPU kernel cache and precompiled headers in $TMPDIR/torchinductor_<user>: share the
-    # machine's (warm from any earlier vLLM run) instead of rebuilding them each run (~7-18 s here).
-    shared = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
-    shared.mkdir(exist_ok=True)
-    (tmp / shared.name).symlink_to(shared, target_is_directory=True)
-    return {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # one core per TP rank (as test_shard_vllm.py)
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache, instead of a share of the machine's memory
-        "PYTHONUNBUFFERED": "1",  # log lines arrive when printed, so their timestamps are honest
-        "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # no network
-        "TMPDIR": str(tmp),  # vLLM's zmq sockets and file:// rendezvous stay in the test's directory
-    }
 
 
 def ferry(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -189,61 +127,12 @@ def wired_command_line(prepared: Prepared) -> tuple[list[str], dict]:
     return command + args, patch
 
 
-@dataclass
-class Served:
-    argv: list[str]  # what was exec'd (after the shim)
+@dataclass(kw_only=True)
+class Served(ServerRun):
     wired: list[str]  # Ferry's command + args, /ferry/weights as written
     patch: dict
     served_name: str
     load: subprocess.CompletedProcess
-    lines: list[tuple[float, str, str]] = field(default_factory=list)  # (t, stream, line)
-    polls: list[tuple[float, float, object]] = field(default_factory=list)  # (start, end, 200 | status | error)
-    completions: dict | None = None
-    exit_code: int | None = None
-    leftovers: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def log(self, last: int = 120) -> str:
-        return "\n".join(f"{t:8.3f} {s} {line}" for t, s, line in self.lines[-last:])
-
-
-def _group_alive(pgid: int) -> list[str]:
-    """Live (non-zombie) processes of the process group, as 'pid cmd'."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm_end = text.rfind(")")
-        fields = text[comm_end + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(f"{stat.parent.name} {text[text.find('(') + 1:comm_end]}")
-    return alive
-
-
-def _stop(proc: subprocess.Popen) -> list[str]:
-    """SIGTERM the server's whole process group (API server, engine core, workers), SIGKILL what stays."""
-    pgid = proc.pid  # start_new_session: the group is the server's
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                return []
-            time.sleep(0.1)
-    proc.wait(5)
-    return _group_alive(pgid)
-
-
-def _post(port: int, path: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.load(resp)
 
 
 @pytest.fixture(scope="module")
@@ -270,54 +159,10 @@ def served(prepared: Prepared, vllm_python: str, tmp_path_factory: pytest.TempPa
         pytest.fail(f"ferry load exited {load.returncode} before vLLM:\n{load.stdout}\n{load.stderr}")
 
     port = free_port()
-    argv = [vllm_python, str(SERVE_SHIM), *host_args, *extra_flags(port)]
-    result = Served(argv=argv, wired=wired, patch=patch, served_name=served_name, load=load,
-                    seconds={"ferry load": load_s})
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, errors="replace", env=vllm_env(tmp_path_factory.mktemp("vllm-tmp")),
-                            cwd=prepared.artifact.parent, start_new_session=True)
-
-    def read(stream, name: str) -> None:
-        for line in stream:
-            result.lines.append((time.monotonic() - t0, name, line.rstrip("\n")))
-
-    readers = [threading.Thread(target=read, args=(proc.stdout, "out"), daemon=True),
-               threading.Thread(target=read, args=(proc.stderr, "err"), daemon=True)]
-    for r in readers:
-        r.start()
-    try:
-        health = f"http://127.0.0.1:{port}/health"
-        while time.monotonic() - t0 < READY_DEADLINE_S and proc.poll() is None:
-            start = time.monotonic() - t0
-            try:
-                with urllib.request.urlopen(health, timeout=POLL_TIMEOUT_S) as resp:
-                    outcome: object = resp.status
-            except urllib.error.HTTPError as e:
-                outcome = e.code
-            except (urllib.error.URLError, OSError) as e:
-                reason = getattr(e, "reason", e)
-                outcome = f"{type(reason).__name__}: {reason}"
-            result.polls.append((start, time.monotonic() - t0, outcome))
-            if outcome == 200:
-                break
-            time.sleep(max(0.0, start + POLL_EVERY_S - (time.monotonic() - t0)))
-        result.seconds["vllm ready"] = time.monotonic() - t0
-        if not result.polls or result.polls[-1][2] != 200:
-            pytest.fail(f"vLLM never answered /health 200 (exit {proc.poll()}, "
-                        f"{time.monotonic() - t0:.0f} s):\n{result.log()}")
-        t = time.monotonic()
-        result.completions = _post(port, "/v1/completions", {
-            "model": served_name, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True})
-        result.seconds["completions"] = time.monotonic() - t
-    finally:
-        t = time.monotonic()
-        result.leftovers = _stop(proc)
-        result.exit_code = proc.returncode
-        result.seconds["stop"] = time.monotonic() - t
-        for r in readers:
-            r.join(10)
+    result = Served(argv=serve_argv(vllm_python, host_args, port), port=port, wired=wired, patch=patch,
+                    served_name=served_name, load=load, seconds={"ferry load": load_s})
+    result.run(env=vllm_env(tmp_path_factory.mktemp("vllm-tmp")), cwd=prepared.artifact.parent, model=served_name,
+               prompts=PROMPTS, max_tokens=MAX_TOKENS)
     return result
 
 
@@ -326,31 +171,16 @@ def reference_run(prepared: Prepared, vllm_python: str, tmp_path_factory: pytest
     """The TP 1 reference on the original checkpoint (vllm_generate.py: vLLM's LLM, load_format auto),
     started before the server and run beside it: both are mostly single-threaded Python imports, so
     on 2 cores they overlap (~30 s saved). Neither timing nor tokens depend on it running alone."""
-    spec = [{"model": str(prepared.original), "load_format": "auto", "tp": 1, "pp": 1, "dtype": "auto",
-             "prompts": PROMPTS, "max_tokens": MAX_TOKENS}]
     root = tmp_path_factory.mktemp("reference")
-    with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:
-        proc = subprocess.Popen([vllm_python, str(GENERATE), json.dumps(spec)], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, env=vllm_env(root / "tmp"), cwd=root,
-                                start_new_session=True)
-    yield proc, root
-    left = _stop(proc) if proc.poll() is None or _group_alive(proc.pid) else []
-    assert not left, f"the reference left processes: {left}"
+    run = start_reference(vllm_python, prepared.original, [1], root, vllm_env(root / "tmp"))
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(reference_run, served: Served) -> dict:
     """Greedy tokens (and each step's top 2) of the original checkpoint at TP 1."""
-    proc, root = reference_run
-    try:
-        proc.wait(900)
-    except subprocess.TimeoutExpired:
-        pass
-    stdout, stderr = (root / "stdout").read_text(), (root / "stderr").read_text()
-    lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(lines) != 1:
-        pytest.fail(f"the TP 1 reference exited {proc.returncode}:\n{stdout[-4000:]}\n{stderr[-8000:]}")
-    return json.loads(lines[0])
+    return reference_run.results("the TP 1 reference")[1]
 
 
 def test_ferry_load_names_the_corrupt_rank_file(prepared: Prepared, tmp_path: Path):
@@ -396,9 +226,7 @@ def test_vllm_serves_the_artifact_from_ferrys_wired_command_line(served: Served,
     choices = sorted(served.completions["choices"], key=lambda c: c["index"])
     assert served.completions["model"] == USER_MODEL and len(choices) == len(PROMPTS)
     assert not served.leftovers, f"vLLM processes left after stopping it: {served.leftovers}"
-    with socket.socket() as s:
-        s.settimeout(1)
-        assert s.connect_ex(("127.0.0.1", int(served.argv[served.argv.index("--port") + 1]))) != 0
+    assert not port_is_open(int(served.argv[served.argv.index("--port") + 1]))
 
 
 @pytest.mark.vllm
@@ -429,18 +257,4 @@ def test_health_turns_200_only_after_the_weights_are_loaded(served: Served):
 @pytest.mark.timeout(1800)
 def test_served_greedy_tokens_match_tp1_auto_on_the_original(served: Served, reference: dict):
     choices = sorted(served.completions["choices"], key=lambda c: c["index"])
-    whole_matches = 0
-    for prompt, choice, ref_tokens, ref_top2 in zip(PROMPTS, choices, reference["tokens"], reference["top2"]):
-        tokens = choice["token_ids"]
-        assert len(tokens) == len(ref_tokens) == MAX_TOKENS, (prompt, choice)
-        assert len(set(ref_tokens)) > MAX_TOKENS // 4, f"prompt {prompt}: the fixture model just repeats itself"
-        parted = next((step for step, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
-        if parted is None:
-            whole_matches += 1
-            continue
-        (best, best_lp), (runner_up, runner_up_lp) = ref_top2[parted]
-        assert best_lp - runner_up_lp < NEAR_TIE_NATS and tokens[parted] == runner_up, (
-            f"prompt {prompt}: the server chose {tokens[parted]} at step {parted} where TP 1 chose {best} by "
-            f"{best_lp - runner_up_lp:.3f} nats over {runner_up}: not a numerical tie\n"
-            f"TP 1:   {ref_tokens}\nserved: {tokens}")
-    assert whole_matches >= 2, f"only {whole_matches} of {len(PROMPTS)} prompts matched entirely"
+    assert_greedy_tokens_match(reference, [c["token_ids"] for c in choices], candidate="served")

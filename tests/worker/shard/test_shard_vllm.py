@@ -34,13 +34,9 @@ from ferry_worker.safetensors_header import validate_safetensors
 from ferry_worker.shard.job import ShardJob
 
 from checkpoints import LLAMA3, QWEN2, QWEN3, ModelCase, write_checkpoint
+from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match
 
 SCRIPT = Path(__file__).with_name("vllm_generate.py")
-PROMPTS = [[5, 17, 300], [999, 4], [7], [100, 200, 300, 400], [42, 42, 42], [640, 1, 960]]
-MAX_TOKENS = 16
-# A top-2 log-prob gap below this is a numerical tie between TP 1 and TP 2
-# (bf16 logits here are quantized to 1/16..1/4 and differ by up to 1/4).
-NEAR_TIE_NATS = 0.5
 TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 
 # GQA with TP 2 > 1 KV head (replication), vocab 1000 (not a multiple of 64), bf16, untied.
@@ -136,18 +132,4 @@ def test_vllm_loads_the_artifact_exactly_as_its_own_loader(vllm_results, name):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("reference, candidate", TOKEN_PAIRS)
 def test_greedy_tokens_match_tp1_on_the_original(vllm_results, reference, candidate):
-    ref, got = vllm_results[reference], vllm_results[candidate]
-    whole_matches = 0
-    for prompt, ref_tokens, ref_top2, tokens in zip(PROMPTS, ref["tokens"], ref["top2"], got["tokens"]):
-        assert len(tokens) == len(ref_tokens) == MAX_TOKENS
-        assert len(set(ref_tokens)) > MAX_TOKENS // 4, f"prompt {prompt}: the fixture model just repeats itself"
-        parted = next((step for step, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
-        if parted is None:
-            whole_matches += 1
-            continue
-        (best, best_lp), (runner_up, runner_up_lp) = ref_top2[parted]
-        assert best_lp - runner_up_lp < NEAR_TIE_NATS and tokens[parted] == runner_up, (
-            f"prompt {prompt}: TP 2 chose {tokens[parted]} at step {parted} where TP 1 chose {best} by "
-            f"{best_lp - runner_up_lp:.3f} nats over {runner_up}: not a numerical tie\n"
-            f"TP 1: {ref_tokens}\nTP 2: {tokens}")
-    assert whole_matches >= 2, f"only {whole_matches} of {len(PROMPTS)} prompts matched entirely"
+    assert_greedy_tokens_match(vllm_results[reference], vllm_results[candidate]["tokens"], candidate="TP 2")

@@ -1,0 +1,89 @@
+"""Greedy tokens of real vLLM runs, and how tests compare them with a reference.
+
+The prompts (token ids) and length every vLLM test generates; the reference
+run of tests/worker/shard/vllm_generate.py (vLLM's LLM, load_format `auto`,
+on the ORIGINAL checkpoint) started beside a server; and the comparison of
+greedy tokens with a TP 1 reference that allows numerical near-ties, used by
+test_shard_vllm.py and test_vllm_weights_loaded.py.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vllm_server import group_alive, stop_group
+
+GENERATE = Path(__file__).resolve().parent / "worker" / "shard" / "vllm_generate.py"
+PROMPTS = [[5, 17, 300], [999, 4], [7], [100, 200, 300, 400], [42, 42, 42], [640, 1, 960]]
+MAX_TOKENS = 16
+# A top-2 log-prob gap below this is a numerical tie between TP 1 and TP 2
+# (bf16 logits here are quantized to 1/16..1/4 and differ by up to 1/4).
+NEAR_TIE_NATS = 0.5
+
+
+@dataclass
+class ReferenceRun:
+    """vllm_generate.py running (in a session of its own) on the original checkpoint, one run per TP size."""
+    proc: subprocess.Popen
+    root: Path  # holds its stdout and stderr files
+    tps: list[int]
+
+    def results(self, name: str = "the reference") -> dict[int, dict]:
+        """Wait for it (at most 900 s), then each TP size's result (`tokens`, `top2` per prompt);
+        fails the test unless it exited 0 with one result per TP size."""
+        try:
+            self.proc.wait(900)
+        except subprocess.TimeoutExpired:
+            pass
+        stdout, stderr = (self.root / "stdout").read_text(), (self.root / "stderr").read_text()
+        lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if self.proc.returncode != 0 or len(lines) != len(self.tps):
+            pytest.fail(f"{name} exited {self.proc.returncode}:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+        return {tp: json.loads(line) for tp, line in zip(self.tps, lines)}
+
+    def stop(self) -> None:
+        """Stop whatever of it still runs; fails if anything of its process group survives."""
+        left = stop_group(self.proc) if self.proc.poll() is None or group_alive(self.proc.pid) else []
+        assert not left, f"the reference left processes: {left}"
+
+
+def start_reference(vllm_python: str, original: Path, tps: list[int], root: Path,
+                    env: dict[str, str]) -> ReferenceRun:
+    """Start vllm_generate.py on `original` (load_format auto, dtype auto, PP 1) at each TP size in `tps`,
+    greedy over PROMPTS for MAX_TOKENS, without waiting for it: it can run beside a server."""
+    spec = [{"model": str(original), "load_format": "auto", "tp": tp, "pp": 1, "dtype": "auto",
+             "prompts": PROMPTS, "max_tokens": MAX_TOKENS} for tp in tps]
+    with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:
+        proc = subprocess.Popen([vllm_python, str(GENERATE), json.dumps(spec)], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err, env=env, cwd=root, start_new_session=True)
+    return ReferenceRun(proc, root, list(tps))
+
+
+def assert_reference_varies(prompt: list[int], ref_tokens: list[int]) -> None:
+    """The generated fixture model's greedy continuation is not a repetition (else equal tokens prove little)."""
+    assert len(set(ref_tokens)) > MAX_TOKENS // 4, f"prompt {prompt}: the fixture model just repeats itself"
+
+
+def assert_greedy_tokens_match(reference: dict, tokens: list[list[int]], candidate: str) -> None:
+    """Greedy tokens for PROMPTS (`tokens`, MAX_TOKENS each) equal the TP 1 reference's (vllm_generate.py:
+    `tokens` and each step's `top2` (token, log-prob)) up to numerical ties: where a prompt's tokens part,
+    the reference's best two were within NEAR_TIE_NATS and `candidate` took the runner-up. At least two
+    prompts match entirely."""
+    whole_matches = 0
+    for prompt, ref_tokens, ref_top2, got in zip(PROMPTS, reference["tokens"], reference["top2"], tokens):
+        assert len(got) == len(ref_tokens) == MAX_TOKENS, (prompt, got)
+        assert_reference_varies(prompt, ref_tokens)
+        parted = next((step for step, (a, b) in enumerate(zip(ref_tokens, got)) if a != b), None)
+        if parted is None:
+            whole_matches += 1
+            continue
+        (best, best_lp), (runner_up, runner_up_lp) = ref_top2[parted]
+        assert best_lp - runner_up_lp < NEAR_TIE_NATS and got[parted] == runner_up, (
+            f"prompt {prompt}: {candidate} chose {got[parted]} at step {parted} where TP 1 chose {best} by "
+            f"{best_lp - runner_up_lp:.3f} nats over {runner_up}: not a numerical tie\n"
+            f"TP 1: {ref_tokens}\n{candidate}: {got}")
+    assert whole_matches >= 2, f"only {whole_matches} of {len(PROMPTS)} prompts matched entirely"
