@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -70,6 +71,12 @@ def main() -> None:
     from safetensors.numpy import save_file
 
     cluster = localcluster.Cluster()
+    if cluster.running():
+        cluster.down(quiet=True)
+    # A fresh start: the control plane's data and the local executor's records
+    # of an earlier run would make every step look done already.
+    for leftover in ("cluster", "artifacts"):
+        shutil.rmtree(args.state / leftover, ignore_errors=True)
     cluster.up()
     kubeconfig = str(localcluster.KUBECONFIG)
     kubectl = [localcluster.kubectl_path(), "--kubeconfig", kubeconfig]
@@ -95,14 +102,21 @@ def main() -> None:
     done = threading.Event()
 
     def watch_ready() -> None:
-        for event in watch.Watch().stream(custom.list_namespaced_custom_object, "ferry.dev", "v1alpha1", ns,
-                                          "modelweights", timeout_seconds=1800):
-            obj = event["object"]
-            conds = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
-            if conds.get("Ready") == "True":
-                ready_at.setdefault(obj["metadata"]["name"], time.time())
-            if len(ready_at) >= args.objects or done.is_set():
-                return
+        # A watch the API server ends (or that fails) is started again: its
+        # initial listing replays the current state, and the first Ready time seen is kept.
+        while not done.is_set():
+            try:
+                for event in watch.Watch().stream(custom.list_namespaced_custom_object, "ferry.dev", "v1alpha1", ns,
+                                                  "modelweights", timeout_seconds=300):
+                    obj = event["object"]
+                    conds = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
+                    if conds.get("Ready") == "True":
+                        ready_at.setdefault(obj["metadata"]["name"], time.time())
+                    if len(ready_at) >= args.objects or done.is_set():
+                        return
+            except Exception as exc:  # noqa: BLE001 - report and watch again
+                print(f"[operator_scale] watch ended ({type(exc).__name__}: {exc}); watching again", file=sys.stderr)
+                time.sleep(1)
 
     watcher = threading.Thread(target=watch_ready, daemon=True)
     watcher.start()
