@@ -20,6 +20,7 @@ from typing import Any
 from .api.types import Artifact, FormatType, ModelWeightsSpec
 from .serving_loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
                              health_probe, loader_container, local_volume, token_volume, unwired_gates, wired_gates)
+from .steps import s3_store_env
 from .serving_shapes import MANAGED_FLAGS, ServingError, recognise  # noqa: F401 (re-exported)
 
 MOUNT_PATH = "/ferry/weights"
@@ -157,29 +158,16 @@ def volume_for(artifact_uri: str) -> tuple[dict[str, Any], dict[str, Any]] | Non
 
 
 def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
-    """Environment for streaming from S3 (runai_streamer).
-
-    Credentials are env entries with secretKeyRef, not envFrom: env merges by
-    name in a strategic-merge patch, envFrom would replace the user's list.
-    """
-    env: list[dict[str, Any]] = []
+    """Environment for streaming from S3 (runai_streamer, tensorizer, the loader's checks)."""
     s3 = spec.storage.s3 if spec.storage else None
-    secret = (s3.credentials_secret_ref if s3 else None) or spec.source.credentials_secret_ref
-    if secret is not None:
-        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
-                              ("AWS_SESSION_TOKEN", True)):
-            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key,
-                                                                    "optional": optional}}})
+    env = s3_store_env(s3, (s3.credentials_secret_ref if s3 else None) or spec.source.credentials_secret_ref)
     if s3 is not None and s3.endpoint:
         env += [
-            {"name": "AWS_ENDPOINT_URL", "value": s3.endpoint},
             # S3-compatible stores usually want path-style addressing.
             {"name": "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "value": "0"},
             # No instance metadata service to ask for credentials off AWS.
             {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
         ]
-    if s3 is not None and s3.region:
-        env.append({"name": "AWS_DEFAULT_REGION", "value": s3.region})
     return env
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
-from .api.types import FormatType, ModelWeightsSpec
+from .api.types import Artifact, FormatType, ModelWeights, ModelWeightsSpec, S3Storage, SecretRef
 
 
 class UnsupportedSpec(Exception):
@@ -72,6 +72,37 @@ def s3_artifact_uri(spec: ModelWeightsSpec, namespace: str, name: str, digest: s
     if s3 is None or spec.format.type not in (FormatType.TENSORIZER.value, FormatType.RUNAI_STREAMER.value):
         return None
     return f"{s3.uri.rstrip('/')}/{namespace}/{name}/{digest}"
+
+
+def is_ferry_s3_artifact(mw: ModelWeights, artifact: Artifact) -> bool:
+    """An S3 prefix Ferry wrote itself (its own per-digest prefix), never a user's bucket path."""
+    return artifact.uri.startswith("s3://") and artifact.uri == s3_artifact_uri(
+        mw.spec, mw.metadata.namespace or "", mw.metadata.name or "", artifact.spec_digest or "")
+
+
+def ferry_s3_artifacts(mw: ModelWeights) -> list[Artifact]:
+    """The recorded artifacts (current and previous) that are S3 prefixes Ferry wrote."""
+    status = mw.status
+    recorded = ([status.artifact] if status and status.artifact else []) + (list(status.previous_artifacts)
+                                                                           if status else [])
+    return [a for a in recorded if is_ferry_s3_artifact(mw, a)]
+
+
+def s3_store_env(s3: S3Storage | None, secret: SecretRef | None) -> list[dict]:
+    """A store's endpoint, region and credentials as container env: secretKeyRef
+    entries (never a secret value), and env rather than envFrom, which merges by
+    name in a strategic-merge patch."""
+    env: list[dict] = []
+    if secret is not None:
+        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
+                              ("AWS_SESSION_TOKEN", True)):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key,
+                                                                    "optional": optional}}})
+    if s3 is not None and s3.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
+    if s3 is not None and s3.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": s3.region})
+    return env
 
 
 def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:

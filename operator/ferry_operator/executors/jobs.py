@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.types import API_VERSION, KIND, ModelWeights
-from ..steps import Step, s3_artifact_uri  # noqa: F401 (s3_artifact_uri re-exported)
+from ..steps import Step, s3_artifact_uri, s3_store_env
 
 WEIGHTS_MOUNT = "/weights"
 SOURCE_MOUNT = "/source"
@@ -82,19 +82,7 @@ def artifact_uri(mw: ModelWeights, digest: str) -> str:
 def storage_s3_env(mw: ModelWeights) -> list[dict[str, Any]]:
     """storage.s3's endpoint, region and credentials (secretKeyRef: no secret value in the Job)."""
     s3 = mw.spec.storage.s3 if mw.spec.storage else None
-    if s3 is None:
-        return []
-    env: list[dict[str, Any]] = []
-    if s3.credentials_secret_ref is not None:
-        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
-                              ("AWS_SESSION_TOKEN", True)):
-            env.append({"name": key, "valueFrom": {"secretKeyRef": {
-                "name": s3.credentials_secret_ref.name, "key": key, "optional": optional}}})
-    if s3.endpoint:
-        env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
-    if s3.region:
-        env.append({"name": "AWS_DEFAULT_REGION", "value": s3.region})
-    return env
+    return s3_store_env(s3, s3.credentials_secret_ref) if s3 is not None else []
 
 
 def owner_reference(mw: ModelWeights, uid: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..steps import Step
+from ..steps import Step, ferry_s3_artifacts
 from . import diagnosis, jobs
 
 
@@ -142,13 +142,9 @@ class KubernetesExecutor:
     def delete(self, mw: ModelWeights) -> None:
         """deletionPolicy Delete: the claim goes by garbage collection (its owner
         reference); S3 artifacts Ferry wrote are removed by a Job each."""
-        recorded = ([mw.status.artifact] if mw.status and mw.status.artifact else []) + \
-            (list(mw.status.previous_artifacts) if mw.status else [])
-        for artifact in recorded:
-            if artifact.uri.startswith("s3://") and jobs.s3_artifact_uri(
-                    mw.spec, mw.metadata.namespace, mw.metadata.name, artifact.spec_digest or "") == artifact.uri:
-                _create(self.batch.create_namespaced_job, mw.metadata.namespace,
-                        jobs.s3_delete_job_manifest(mw, artifact.uri, self.settings))
+        for artifact in ferry_s3_artifacts(mw):
+            _create(self.batch.create_namespaced_job, mw.metadata.namespace,
+                    jobs.s3_delete_job_manifest(mw, artifact.uri, self.settings))
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
         """The artifact is recorded in the status: its Jobs may go (TTL controller)."""

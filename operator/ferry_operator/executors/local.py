@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..steps import Step, s3_artifact_uri
+from ..steps import Step, ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
 
 MANIFEST = "ferry-manifest.json"
 
@@ -168,16 +168,13 @@ class LocalExecutor:
                 record.unlink(missing_ok=True)
 
     def delete(self, mw: ModelWeights) -> None:
-        recorded = ([mw.status.artifact] if mw.status and mw.status.artifact else []) + \
-            (list(mw.status.previous_artifacts) if mw.status else [])
-        for artifact in recorded:
+        for artifact in ferry_s3_artifacts(mw):
             self._delete_s3(mw, artifact)
         shutil.rmtree(self._dir(mw.metadata.namespace, mw.metadata.name), ignore_errors=True)
 
     def _delete_s3(self, mw: ModelWeights, artifact: Artifact) -> None:
         """`ferry delete-artifact` of an S3 artifact Ferry wrote (its own prefix), and only of such."""
-        ours = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, artifact.spec_digest or "")
-        if not artifact.uri.startswith("s3://") or artifact.uri != ours:
+        if not is_ferry_s3_artifact(mw, artifact):
             return
         state = self._dir(mw.metadata.namespace, mw.metadata.name) / ".delete"
         state.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ size and ETag against the manifest; their content hashes are not re-computed
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file
 from ..progress import LogLines, Progress, human_bytes
 from . import report as reasons
-from .reader import ReadOptions, read_files
+from .reader import ReadOptions, read_files  # noqa: F401 (ReadOptions: LoadRequest's type)
 from .report import Reporter
 from .selection import Selection, select
 
@@ -99,7 +100,7 @@ def _load_dir(request: LoadRequest, started: float) -> LoadResult:
         if (size := file.stat().st_size) != entry.size:
             raise IntegrityError(f"{entry.path}: size {size} != {entry.size} in manifest")
     full = request.verify == "full"
-    options = ReadOptions(**{**request.options.__dict__, "hash": full})
+    options = dataclasses.replace(request.options, hash=full)
     with Progress("load", selection.total_bytes, [LogLines()]) as progress:
         digests = read_files(root, selection.entries, options, progress.advance, request.copy_to)
     if full:
