@@ -6,9 +6,9 @@
 Starts its own local cluster (control plane + kwok's GPU nodes, no real node:
 FERRY_NODE=0, state in --state, default /tmp/ferry-scale) and one operator
 process (`ferry-operator run`, local executor), then applies --objects
-ModelWeights at once, each a safetensors copy of the same tiny checkpoint
-(the first 8 wired to a vLLM Deployment each: kwok's GPU nodes have room for
-no more rolling updates). Measures:
+ModelWeights at once (--apply-threads client threads, default 8), each a safetensors copy of the same
+tiny checkpoint wired to a vLLM Deployment of its own (one replica, one GPU;
+an extra kwok node holds them all and their rolling updates). Measures:
 
 - apply -> step started: the first worker's launch record (local executor's
   `.steps/<step>.launches`, written by the runner as it starts) minus the
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--objects", type=int, default=100)
     ap.add_argument("--idle-seconds", type=float, default=60)
+    ap.add_argument("--apply-threads", type=int, default=8,
+                    help="client threads creating the ModelWeights (1: one after another)")
     ap.add_argument("--interval", type=float, default=2.0, help="FERRY_RECONCILE_INTERVAL of the operator")
     ap.add_argument("--state", type=Path, default=Path("/tmp/ferry-scale"))
     ap.add_argument("--out", type=Path, default=Path("/tmp/ferry-scale/result.json"))
@@ -64,6 +67,11 @@ def main() -> None:
 
     os.environ["FERRY_STATE_DIR"] = str(args.state)
     os.environ["FERRY_NODE"] = "0"
+    # The cluster's own rollout throughput, not the operator's, would bound
+    # apply -> Ready at client-go's default 20 requests/s of the controllers.
+    os.environ.setdefault("FERRY_CONTROLLER_MANAGER_ARGS",
+                          "--kube-api-qps=200 --kube-api-burst=400 --concurrent-deployment-syncs=10 "
+                          "--concurrent-replicaset-syncs=10")
     sys.path.insert(0, str(REPO / "e2e"))
     import localcluster  # after FERRY_STATE_DIR: it reads it at import
     import numpy as np
@@ -99,7 +107,24 @@ def main() -> None:
     config.load_kube_config(kubeconfig)
     custom, apps = client.CustomObjectsApi(), client.AppsV1Api()
     ready_at: dict[str, float] = {}
+    prepared_at: dict[str, float] = {}
+    wired_at: dict[str, float] = {}
     done = threading.Event()
+
+    def watch_wired() -> None:
+        # When each Deployment's template first carries the artifact (the operator's patch).
+        while not done.is_set():
+            try:
+                for event in watch.Watch().stream(apps.list_namespaced_deployment, ns, timeout_seconds=300):
+                    dep = event["object"]
+                    annotations = dep.spec.template.metadata.annotations or {}
+                    if "ferry.dev/modelweights" in annotations:
+                        wired_at.setdefault(dep.metadata.name, time.time())
+                    if len(wired_at) >= args.objects or done.is_set():
+                        return
+            except Exception as exc:  # noqa: BLE001 - report and watch again
+                print(f"[operator_scale] deployment watch ended ({type(exc).__name__}); watching again", file=sys.stderr)
+                time.sleep(1)
 
     def watch_ready() -> None:
         # A watch the API server ends (or that fails) is started again: its
@@ -110,6 +135,8 @@ def main() -> None:
                                                   "modelweights", timeout_seconds=300):
                     obj = event["object"]
                     conds = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
+                    if conds.get("Prepared") == "True":
+                        prepared_at.setdefault(obj["metadata"]["name"], time.time())
                     if conds.get("Ready") == "True":
                         ready_at.setdefault(obj["metadata"]["name"], time.time())
                     if len(ready_at) >= args.objects or done.is_set():
@@ -120,10 +147,14 @@ def main() -> None:
 
     watcher = threading.Thread(target=watch_ready, daemon=True)
     watcher.start()
+    threading.Thread(target=watch_wired, daemon=True).start()
     time.sleep(3)  # the operator's start-up
-    cpu0, _ = proc_stats(operator.pid)
     applied_at: dict[str, float] = {}
-    for i in range(min(args.objects, 8)):
+    # Room for every Deployment and its rolling update's surge pod, on one node
+    # (kwok renews one node lease, whatever its size).
+    cluster._create_fake_node("ferry-scale-node", pods=2 * args.objects + 10, gpus=2 * args.objects + 10)
+
+    def create_deployment(i: int) -> None:
         name = f"mw-{i:04d}"
         labels = {"app": name}
         apps.create_namespaced_deployment(ns, {
@@ -132,29 +163,42 @@ def main() -> None:
                 "metadata": {"labels": labels},
                 "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "args": ["--dtype", "auto"],
                                          "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}})
-    # kwok's GPU nodes hold 16 GPUs, and a rolling update needs a spare one per
-    # Deployment (maxSurge): only the first 8 objects are wired, the others
-    # prepare without serving.
-    for i in range(args.objects):
+
+    def apply(i: int) -> None:
         name = f"mw-{i:04d}"
-        spec = {"source": {"uri": f"file://{src}"}, "storage": {"pvc": {"size": "1Gi"}}, "format": {"type": "safetensors"}}
-        if i < 8:
-            spec["serving"] = {"deployments": [{"name": name, "container": "vllm"}]}
+        spec = {"source": {"uri": f"file://{src}"}, "storage": {"pvc": {"size": "1Gi"}}, "format": {"type": "safetensors"},
+                "serving": {"deployments": [{"name": name, "container": "vllm"}]}}
         applied_at[name] = time.time()
         custom.create_namespaced_custom_object("ferry.dev", "v1alpha1", ns, "modelweights",
                                                {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
                                                 "metadata": {"name": name}, "spec": spec})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(create_deployment, range(args.objects)))
+    # The Deployments' pods settle first: the measurement starts from a serving fleet.
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        ready = sum((d.status.ready_replicas or 0) for d in apps.list_namespaced_deployment(ns).items)
+        if ready >= args.objects:
+            break
+        time.sleep(2)
+    cpu0, _ = proc_stats(operator.pid)
+    with ThreadPoolExecutor(args.apply_threads) as pool:
+        list(pool.map(apply, range(args.objects)))
     peak_rss = 0
     deadline = time.time() + 1800
     while len(ready_at) < args.objects and time.time() < deadline:
         peak_rss = max(peak_rss, proc_stats(operator.pid)[1])
         time.sleep(0.5)
     cpu1, _ = proc_stats(operator.pid)
-    started = {}
+    started, worker_done = {}, {}
     for name in applied_at:
         launches = list((root / ns / name / ".steps").glob("*.launches"))
         if launches:
             started[name] = min(f.stat().st_mtime for f in launches)
+        exits = list((root / ns / name / ".steps").glob("*/rc"))
+        if exits:
+            worker_done[name] = max(f.stat().st_mtime for f in exits)
 
     def requests_total() -> float:
         text = subprocess.run([*kubectl, "get", "--raw", "/metrics"], capture_output=True, text=True).stdout
@@ -169,11 +213,22 @@ def main() -> None:
     idle1, idle_rss = proc_stats(operator.pid)
     done.set()
     result = {
-        "objects": args.objects, "reconcile_interval_s": args.interval, "ready": len(ready_at),
+        "objects": args.objects, "reconcile_interval_s": args.interval, "apply_threads": args.apply_threads, "ready": len(ready_at),
         "apply_to_step_started_s": {"p50": pct([started[n] - applied_at[n] for n in started], 0.5),
                                     "p99": pct([started[n] - applied_at[n] for n in started], 0.99)},
         "apply_to_ready_s": {"p50": pct([ready_at[n] - applied_at[n] for n in ready_at], 0.5),
                              "p99": pct([ready_at[n] - applied_at[n] for n in ready_at], 0.99)},
+        "apply_to_prepared_s": {"p50": pct([prepared_at[n] - applied_at[n] for n in prepared_at], 0.5),
+                                "p99": pct([prepared_at[n] - applied_at[n] for n in prepared_at], 0.99)},
+        # The operator's patch of the Deployment; Ready then waits for the cluster's rollout.
+        "apply_to_deployment_patched_s": {"p50": pct([wired_at[n] - applied_at[n] for n in wired_at], 0.5),
+                                          "p99": pct([wired_at[n] - applied_at[n] for n in wired_at], 0.99)},
+        # Where the time goes: the worker's own run, and its exit until the watch saw Ready.
+        "worker_run_s": {"p50": pct([worker_done[n] - started[n] for n in worker_done if n in started], 0.5),
+                         "p99": pct([worker_done[n] - started[n] for n in worker_done if n in started], 0.99)},
+        "worker_exit_to_ready_s": {"p50": pct([ready_at[n] - worker_done[n] for n in ready_at if n in worker_done], 0.5),
+                                   "p99": pct([ready_at[n] - worker_done[n] for n in ready_at if n in worker_done], 0.99)},
+        "apply_span_s": round(max(applied_at.values()) - min(applied_at.values()), 1),
         "operator_cpu_s_prepare": round(cpu1 - cpu0, 2),
         "operator_peak_rss_mib": round(peak_rss / 2**20, 1),
         "operator_idle_rss_mib": round(idle_rss / 2**20, 1),
@@ -182,7 +237,10 @@ def main() -> None:
         "idle_api_requests_per_s": round((after - before - 1) / args.idle_seconds, 2),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    timeline = {n: {"applied": applied_at[n], "started": started.get(n), "worker_done": worker_done.get(n),
+                    "prepared": prepared_at.get(n), "wired": wired_at.get(n), "ready": ready_at.get(n)}
+                for n in applied_at}
+    args.out.write_text(json.dumps({**result, "timeline": timeline}, indent=2))
     print(json.dumps(result, indent=2))
     operator.terminate()
     try:

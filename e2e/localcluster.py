@@ -300,6 +300,9 @@ class Cluster:
             # nodelifecycle stays: it lifts the not-ready taint once a node reports Ready.
             "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route",
             "--concurrent-deployment-syncs", "2",
+            # A benchmark that rolls hundreds of Deployments at once raises the
+            # controllers' API rate (client-go's default: 20/s, bursts of 30).
+            *os.environ.get("FERRY_CONTROLLER_MANAGER_ARGS", "").split(),
         ])
         pids["kube-scheduler"] = self._spawn("kube-scheduler", [
             str(bin_dir / "kube-scheduler"),
@@ -365,7 +368,9 @@ class Cluster:
         subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],
                        input=json.dumps(obj), text=True, check=True, capture_output=True)
 
-    def _create_fake_node(self, name: str) -> None:
+    def _create_fake_node(self, name: str, pods: int = 110, gpus: int = 8) -> None:
+        capacity = {"cpu": "64", "memory": "512Gi", "pods": str(pods), "nvidia.com/gpu": str(gpus),
+                    "ephemeral-storage": "2Ti"}
         node = {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {
@@ -376,12 +381,7 @@ class Cluster:
                            "nvidia.com/gpu.present": "true"},
             },
             "spec": {"taints": [GPU_TAINT]},
-            "status": {
-                "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8",
-                                "ephemeral-storage": "2Ti"},
-                "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8",
-                             "ephemeral-storage": "2Ti"},
-            },
+            "status": {"allocatable": capacity, "capacity": dict(capacity)},
         }
         subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],
                        input=json.dumps(node), text=True, check=True, capture_output=True)

@@ -1,6 +1,6 @@
 """The kopf glue without a cluster: a 403 from the executor becomes a Stalled
-status (the timer keeps running), and the first reconcile after the permission
-is granted converges."""
+status (the reconciler keeps looking), and the first reconcile after the
+permission is granted converges."""
 from __future__ import annotations
 
 import json
@@ -52,11 +52,12 @@ def executor(monkeypatch):
 
 
 def reconcile(body):
-    patch = kopf.Patch()
-    handlers.reconcile(body=kopf.Body(body), namespace="ml", name="llama", uid="uid-1", patch=patch)
+    """One reconcile, and the body as its status patch leaves it."""
+    outcome = handlers.reconcile_once(body, "ml", "llama", "uid-1", {})
     body = json.loads(json.dumps(body))
-    body["status"] = {**(body.get("status") or {}), **patch.get("status", {})}
-    return body
+    status = {**(body.get("status") or {}), **outcome.status_patch}
+    body["status"] = {k: v for k, v in status.items() if v is not None}  # merge patch: null removes
+    return body, outcome
 
 
 def conditions(body):
@@ -66,7 +67,7 @@ def conditions(body):
 def test_a_forbidden_call_stalls_with_who_may_not_do_what_and_then_converges(executor):
     body = with_("serving", None)
     body["metadata"].update(namespace="ml", uid="uid-1", generation=1)
-    body = reconcile(body)
+    body, outcome = reconcile(body)
     stalled = conditions(body)["Stalled"]
     assert (stalled["status"], stalled["reason"]) == ("True", "Forbidden")
     assert "ServiceAccount ferry-system/ferry-operator may not list pods in namespace ml" in stalled["message"]
@@ -74,16 +75,24 @@ def test_a_forbidden_call_stalls_with_who_may_not_do_what_and_then_converges(exe
     assert body["status"]["phase"] == "Failed" and conditions(body)["Ready"]["status"] == "False"
     assert executor.started == []
     assert executor.events == [("Warning", "Forbidden")]
+    # A grant sends no watch event: the reconciler keeps polling, not waiting for a resync.
+    assert outcome.delay == handlers.RECONCILE_INTERVAL
 
     executor.error = None  # the ClusterRole fixed
-    body = reconcile(body)
+    body, outcome = reconcile(body)
     assert conditions(body)["Stalled"]["status"] == "False"
     assert (conditions(body)["Reconciling"]["status"], conditions(body)["Reconciling"]["reason"]) == ("True", "Fetch")
     assert body["status"]["phase"] == "Fetching" and len(executor.started) == 1
     assert executor.events[1:] == [("Normal", "StepStarted")]
+    assert outcome.delay == handlers.WAKE_COALESCE_S  # it acted: it looks again at once
+
+    body, outcome = reconcile(body)  # "starting" becomes "running"
+    assert outcome.delay == handlers.RECONCILE_INTERVAL  # a step runs: the poll behind the events
+    _, outcome = reconcile(body)
+    assert outcome.status_patch == {}  # nothing changed: nothing to write
 
 
-def test_other_api_errors_are_left_to_kopf(executor):
+def test_other_api_errors_are_left_to_the_reconcilers_backoff(executor):
     executor.error = ApiException(status=500, reason="Internal Server Error")
     body = manifest()
     body["metadata"].update(namespace="ml", uid="uid-1", generation=1)

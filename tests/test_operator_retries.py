@@ -44,11 +44,14 @@ def test_a_step_failing_twice_then_succeeding_reaches_ready_by_itself(crd, names
                  timeout=120)
         retry = status(crd, namespace, "flaky")["retry"]
         assert "fetch failed" in retry["lastError"]
-        # The endpoint comes back: the next retry succeeds, with no human action.
-        with S3Server(tmp_path / "s3", port=port) as s3:
+        # The bucket is filled out of the operator's sight (any free port), so
+        # that no retry can see it half-uploaded...
+        with S3Server(tmp_path / "s3") as s3:
             s3.client().create_bucket(Bucket="models")
             for f in tiny_checkpoint(tmp_path / "src").iterdir():
                 s3.client().upload_file(str(f), "models", f"tiny/{f.name}")
+        # ...then the endpoint comes back: the next retry succeeds, with no human action.
+        with S3Server(tmp_path / "s3", port=port):
             wait_condition(crd, namespace, "flaky", "Ready")
         final = status(crd, namespace, "flaky")
         assert "retry" not in final and final["phase"] == "Ready"

@@ -16,3 +16,9 @@ def test_pyproject_lists_every_package():
             rel = init.parent.relative_to(REPO / root)
             on_disk.add(".".join((top, *rel.parts)))
     assert set(config["packages"]) == on_disk
+
+
+def test_the_workers_version_is_the_projects():
+    import ferry_worker
+
+    assert ferry_worker.__version__ == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

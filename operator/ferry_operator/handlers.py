@@ -1,16 +1,25 @@
 """kopf handlers: thin glue between the cluster, the executor and the planner.
 
-One timer per ModelWeights observes the executor's steps, asks the planner
-what to do, starts what it says, and writes the status it computed.
+One reconciler per ModelWeights (a kopf daemon) observes the executor's
+steps, asks the planner what to do, starts what it says, and writes the
+status it computed. It runs when the object appears, whenever a watch event
+of what it depends on wakes it (wakeups.py), and otherwise only as often as
+the planner asks: every RECONCILE_INTERVAL while work is in progress, every
+RESYNC_INTERVAL (a safety net) once Ready or stalled.
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import json
 import logging
 import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,9 +36,18 @@ from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, 
 from .serving import OWNER_ANNOTATION, DeploymentFacts, deployment_facts
 from .serving_loader import REPORTER_CLUSTER_ROLE, LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
+from .wakeups import Wakeups, sleep
 from .weights_loaded import PodFacts, pod_facts
 
+# While a step runs or a rollout is under way: a poll behind the watch events
+# (a local worker that outlived a restarted operator sends none).
 RECONCILE_INTERVAL = float(os.environ.get("FERRY_RECONCILE_INTERVAL", "2"))
+# Ready or stalled: every change that matters arrives as an event; this is the safety net.
+RESYNC_INTERVAL = float(os.environ.get("FERRY_RESYNC_INTERVAL", "300"))
+ERROR_BACKOFF_MAX_S = 60.0
+# A rollout sends a burst of Deployment, ReplicaSet-driven and pod events: a
+# woken reconciler waits this long so the burst costs one reconcile, not twenty.
+WAKE_COALESCE_S = float(os.environ.get("FERRY_WAKE_COALESCE_S", "0.5"))
 RETRIES = RetryPolicy(limit=int(os.environ.get("FERRY_RETRY_LIMIT", "3")),
                       base_s=float(os.environ.get("FERRY_RETRY_BACKOFF_S", "30")))
 REQUESTED_AT = "ferry.dev/requested-at"
@@ -88,21 +106,35 @@ def make_executor() -> Executor:
 EXECUTOR: Executor | None = None
 APPS: Any = None  # kubernetes.client.AppsV1Api
 RBAC: Any = None  # kubernetes.client.RbacAuthorizationV1Api
+CUSTOM: Any = None  # kubernetes.client.CustomObjectsApi
+WAKEUPS = Wakeups()
+# Reconciles are sync (the API client, forks): they run here, not on the event loop.
+POOL: ThreadPoolExecutor | None = None
+WRITERS: ThreadPoolExecutor | None = None  # status writes
 _reporters: set[tuple[str, str]] = set()  # (namespace, ServiceAccount) bound to the reporter role
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global EXECUTOR, APPS, RBAC
+    global EXECUTOR, APPS, RBAC, CUSTOM, POOL, WRITERS
     import kubernetes
 
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
+    threads = int(os.environ.get("FERRY_HANDLER_THREADS", "16"))
+    # A connection per thread that may call the API server at once (urllib3's default is 10:
+    # beyond it every call pays a new TLS handshake).
+    client_config = kubernetes.client.Configuration.get_default_copy()
+    client_config.connection_pool_maxsize = 2 * threads
+    kubernetes.client.Configuration.set_default(client_config)
     APPS = kubernetes.client.AppsV1Api()
     RBAC = kubernetes.client.RbacAuthorizationV1Api()
+    CUSTOM = kubernetes.client.CustomObjectsApi()
     EXECUTOR = make_executor()
+    if hasattr(EXECUTOR, "on_exit"):
+        EXECUTOR.on_exit = WAKEUPS.wake_threadsafe  # a local worker's exit wakes its ModelWeights
     if os.environ.get("FERRY_METRICS_BIND"):
         metrics.serve(os.environ["FERRY_METRICS_BIND"])
     # Keep kopf's bookkeeping in annotations: status belongs to the API's schema.
@@ -111,20 +143,21 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="ferry.dev", key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
-    # Handlers are sync and mostly wait on the API server or a fork: more
-    # threads than cores keep a burst of new objects from queueing behind each other.
-    settings.execution.max_workers = int(os.environ.get("FERRY_HANDLER_THREADS", "16"))
+    # Reconciles mostly wait on the API server or a fork: more threads than
+    # cores keep a burst of new objects from queueing behind each other.
+    POOL = ThreadPoolExecutor(threads, thread_name_prefix="reconcile")
+    WRITERS = ThreadPoolExecutor(threads, thread_name_prefix="status")
 
 
 @kopf.index("apps", "v1", "deployments")
-def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], DeploymentFacts]:
+async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], DeploymentFacts]:
     """Deployments in the watched namespaces, fed by a watch: reading one costs
     the API server nothing, so an idle Ready ModelWeights costs it nothing."""
     return {(namespace, name): deployment_facts(body)}
 
 
 @kopf.index("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
-def serving_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodFacts]:
+async def serving_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodFacts]:
     """Serving pods of wired Deployments (their template carries the owner
     annotation), by ModelWeights: what their loaders reported."""
     facts = pod_facts(body)
@@ -132,15 +165,43 @@ def serving_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, s
 
 
 @kopf.index("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT})
-def prepare_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+async def prepare_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """Ferry's Jobs (prepare steps, cleanup), fed by a watch."""
     return {(namespace, name): dict(body)}
 
 
 @kopf.index("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
-def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+async def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """The pods of Ferry's Jobs, by Job: their phases and termination messages."""
     return {(namespace, labels["job-name"]): dict(body)}
+
+
+# Wake-ups: the watch events of what a ModelWeights depends on. On the event
+# loop (async), cheap, and never an API call.
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def modelweights_changed(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+    if WAKEUPS.inputs_changed((namespace, name), _inputs(body)):  # not its own status write
+        WAKEUPS.wake((namespace, name))
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT})
+async def prepare_job_changed(namespace: str, labels: Any, **_: Any) -> None:
+    WAKEUPS.wake((namespace, labels["ferry.dev/modelweights"]))
+
+
+@kopf.on.event("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
+async def prepare_pod_changed(namespace: str, labels: Any, **_: Any) -> None:
+    WAKEUPS.wake((namespace, labels["ferry.dev/modelweights"]))
+
+
+@kopf.on.event("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
+async def serving_pod_changed(namespace: str, annotations: Any, **_: Any) -> None:
+    WAKEUPS.wake((namespace, annotations[OWNER_ANNOTATION]))
+
+
+@kopf.on.event("apps", "v1", "deployments")
+async def deployment_changed(namespace: str, name: str, **_: Any) -> None:
+    WAKEUPS.wake_wirers((namespace, name))
 
 
 class IndexView:
@@ -186,23 +247,111 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     return patch
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
-def reconcile(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch, **kwargs: Any) -> None:
+@dataclass
+class Reconciled:
+    delay: float  # seconds until the next reconcile, unless woken earlier
+    status_patch: dict[str, Any]  # what to write to the status subresource (empty: nothing changed)
+
+
+def _inputs(body: Any) -> tuple[Any, ...]:
+    """What of the ModelWeights itself the planner acts on; a change to
+    anything else (the status it or a worker wrote) needs no reconcile."""
+    meta = body.get("metadata") or {}
+    return meta.get("generation"), (meta.get("annotations") or {}).get(REQUESTED_AT), meta.get("deletionTimestamp")
+
+
+def _newer(live: dict[str, Any], patched: dict[str, Any] | None) -> dict[str, Any]:
+    """The fresher of the watched body and the one the last status patch
+    returned: the watch may not have delivered the operator's own write yet,
+    and planning from the older status could act twice."""
+    if patched is None:
+        return live
+    try:
+        newer = int(patched["metadata"]["resourceVersion"]) > int(live["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return live
+    return patched if newer else live
+
+
+# No kopf retries and no kopf-kept state: the loop below owns the schedule,
+# and everything it needs is in the object's status.
+@kopf.daemon(GROUP, VERSION, PLURAL, initial_delay=0, cancellation_timeout=60)
+async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, uid: str,
+                     **kwargs: Any) -> None:
+    key = (namespace, name)
+    wake = WAKEUPS.register(key)
+    loop = asyncio.get_running_loop()
+    indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods")}
+    patched: dict[str, Any] | None = None
+    failures = 0
+    try:
+        while not stopped:
+            wake.clear()
+            # A shallow copy is a snapshot: kopf replaces the live body's
+            # contents on each event, it does not edit them in place.
+            current = _newer(dict(body), patched)
+            # A copied context: kopf.event() finds kopf's posting queue through it.
+            call = functools.partial(reconcile_once, current, namespace, name, uid, indexes)
+            try:
+                outcome = await loop.run_in_executor(POOL, contextvars.copy_context().run, call)
+                if outcome.status_patch:
+                    # On threads of their own: a slow API server delays the
+                    # status, not the next object's steps.
+                    patched = await loop.run_in_executor(WRITERS, _write_status, namespace, name,
+                                                         outcome.status_patch) or patched
+            except Exception:  # noqa: BLE001 - logged; retried with a growing delay
+                failures += 1
+                delay = min(ERROR_BACKOFF_MAX_S, RECONCILE_INTERVAL * 2 ** failures)
+                log.exception("%s/%s: reconcile failed (retrying in %.0fs)", namespace, name, delay)
+            else:
+                failures = 0
+                delay = outcome.delay
+            await sleep(wake, stopped, delay)
+            if wake.is_set() and not stopped:
+                await sleep(asyncio.Event(), stopped, WAKE_COALESCE_S)
+    finally:
+        WAKEUPS.unregister(key, wake)
+
+
+def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
+                   indexes: dict[str, Any]) -> Reconciled:
+    """One observe-plan-act pass: the status it computed, and when to look again."""
     started = time.monotonic()
     result = "error"
     try:
         # kopf passes each index under its handler's name.
-        if hasattr(EXECUTOR, "view") and "prepare_jobs" in kwargs:
-            EXECUTOR.view = IndexView(kwargs["prepare_jobs"], kwargs["prepare_pods"])
-        result = _reconcile_and_report(body, namespace, name, uid, patch, kwargs.get("deployments"),
-                                       kwargs.get("serving_pods"))
+        if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
+            EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"])
+        result, patch, requeue_after = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
+                                                             indexes.get("serving_pods"))
+        wired = [d.get("name") for d in ((body.get("spec") or {}).get("serving") or {}).get("deployments") or []]
+        WAKEUPS.record((namespace, name), _inputs(body), [w for w in wired if w])
     finally:
         metrics.RECONCILES.labels(result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+    if requeue_after is None:
+        delay = RESYNC_INTERVAL
+    elif requeue_after == 0:
+        delay = WAKE_COALESCE_S  # it acted: what it did may need a next step no event announces
+    else:
+        delay = RECONCILE_INTERVAL
+    return Reconciled(delay, patch)
 
 
-def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, patch: kopf.Patch,
-                          deployment_index: Any, pod_index: Any = None) -> str:
+def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return CUSTOM.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": patch}, field_manager="ferry-operator",
+            _content_type="application/merge-patch+json")
+    except ApiException as exc:
+        if exc.status == 404:  # deleted meanwhile
+            return None
+        raise
+
+
+def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
+                          deployment_index: Any, pod_index: Any = None) -> tuple[str, dict[str, Any], float | None]:
+    """(result for the metrics, the status merge patch, the planner's requeue_after)."""
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
     try:
@@ -212,29 +361,29 @@ def _reconcile_and_report(body: kopf.Body, namespace: str, name: str, uid: str, 
         before = _parse_status(raw_status)
         status = blocked(before, body["metadata"].get("generation", 0), type(exc).__name__, str(exc))
         _report(body, uid, None, transitions(before, status, []), status)
-        patch.status.update(_status_patch(raw_status, status))
-        return "ok"
+        return "ok", _status_patch(raw_status, status), None  # only a spec change helps
     actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
     result = "ok"
     try:
-        status = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index)
+        status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index)
+        if actions:
+            requeue_after = 0.0
     except ApiException as exc:
-        if exc.status != 403:  # kopf logs it and retries
+        if exc.status != 403:  # logged and retried by the reconciler
             raise
         result = "forbidden"
         # A permission the operator lacks (or a quota, an admission webhook):
-        # say which, keep the timer going, converge once it is granted.
+        # say which, keep looking (a grant sends no event), converge once it is granted.
         message = forbidden(exc.body, str(exc))
         previous = raw_status.get("conditions") or []
         if not any(c.get("type") == "Stalled" and c.get("message") == message for c in previous):
             log.warning("%s/%s: %s", namespace, name, message)
-        status = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message)
+        status, requeue_after = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message), RECONCILE_INTERVAL
     _report(body, uid, mw, transitions(mw.status, status, actions), status, steps)
-    patch.status.update(_status_patch(raw_status, status))
-    return result
+    return result, _status_patch(raw_status, status), requeue_after
 
 
-def _report(body: kopf.Body, uid: str, mw: ModelWeights | None, events: list[Event], status: ModelWeightsStatus,
+def _report(body: dict[str, Any], uid: str, mw: ModelWeights | None, events: list[Event], status: ModelWeightsStatus,
             steps: list[Step] = ()) -> None:
     """Core Events on the ModelWeights (kopf posts them in the background), and metrics."""
     for e in events:
@@ -257,9 +406,9 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
-               deployment_index: Any = None, pod_index: Any = None) -> ModelWeightsStatus:
-    """Observe, plan, act; the status the planner computed. `done` collects the
-    actions taken (for Events), also when a later one fails."""
+               deployment_index: Any = None, pod_index: Any = None) -> tuple[ModelWeightsStatus, float | None]:
+    """Observe, plan, act; the status the planner computed and when to look
+    again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
     refs = mw.spec.serving.deployments if mw.spec.serving else []
     recorded = recorded_artifact(mw, steps)
@@ -303,7 +452,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
                                              _content_type="application/strategic-merge-patch+json")
         done.append(action)
-    return result.status
+    return result.status, result.requeue_after
 
 
 def ensure_reporter(namespace: str, service_account: str) -> None:
@@ -326,7 +475,7 @@ def ensure_reporter(namespace: str, service_account: str) -> None:
     _reporters.add((namespace, service_account))
 
 
-# No finalizer of its own (optional=True): the timer's finalizer already routes
+# No finalizer of its own (optional=True): the reconciler's finalizer already routes
 # deletion through the operator. On a cluster, deletionPolicy Delete is carried
 # out by garbage collection of the claim's owner reference; the local executor
 # removes its directory here.

@@ -162,7 +162,23 @@ def test_kube_status_sink_patches_at_most_every_interval() -> None:
         sink.publish(snapshot(second, 100))
         clock.now += 1
     sink.close(snapshot(100, 100, finished=True))
-    assert status.patches == [0, 5, 10, 100]
+    assert status.patches == [5, 10, 100]
+
+
+def test_kube_status_sink_stays_silent_for_a_step_shorter_than_its_interval() -> None:
+    connected: list[bool] = []
+
+    def connect() -> object:
+        connected.append(True)
+        raise AssertionError("a step that ends within its first interval must not connect")
+
+    clock = Clock()
+    sink = KubeStatusSink(connect, interval_s=5, clock=clock)  # type: ignore[arg-type]
+    for second in range(4):
+        sink.publish(snapshot(second, 100))
+        clock.now += 1
+    sink.close(snapshot(100, 100, finished=True))
+    assert connected == []
 
 
 def test_default_sinks_follow_the_terminal_and_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

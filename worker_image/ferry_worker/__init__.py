@@ -1,7 +1,6 @@
 """Ferry's worker: fetch, verify, shard and tensorize model weights, streaming."""
-from importlib.metadata import PackageNotFoundError, version
 
-try:
-    __version__ = version("ferry")
-except PackageNotFoundError:  # running from a source tree without install
-    __version__ = "0.0.0+local"
+# A constant, not importlib.metadata: reading the installed metadata costs a
+# tiny step's worker a fifth of its start-up. tests/test_packaging.py checks
+# that it matches pyproject.toml.
+__version__ = "0.1.0"

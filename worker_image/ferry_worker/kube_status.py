@@ -73,28 +73,41 @@ class ModelWeightsStatus:
 
 
 class KubeStatusSink:
-    """A progress sink that patches at most every `interval_s` seconds."""
+    """A progress sink that patches at most every `interval_s` seconds, and
+    not at all for a step that ends within its first interval: the operator
+    records the step's end itself, and a worker that never patches never
+    imports the Kubernetes client (most of a tiny step's CPU time)."""
 
     def __init__(
-        self, status: ModelWeightsStatus, interval_s: float = DEFAULT_INTERVAL_S,
+        self, status: ModelWeightsStatus | Callable[[], ModelWeightsStatus], interval_s: float = DEFAULT_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._status = status
         self._interval_s = interval_s
         self._clock = clock
+        self._first: float | None = None
         self._last: float | None = None
 
     @classmethod
     def from_env(cls, name: str, namespace: str) -> "KubeStatusSink":
         interval = float(os.environ.get("FERRY_PROGRESS_INTERVAL", DEFAULT_INTERVAL_S))
-        return cls(ModelWeightsStatus.connect(name, namespace), interval)
+        return cls(lambda: ModelWeightsStatus.connect(name, namespace), interval)
+
+    def _patch(self, snapshot: Snapshot) -> None:
+        if callable(self._status) and not isinstance(self._status, ModelWeightsStatus):
+            self._status = self._status()  # connect on the first patch
+        self._status.patch_progress(snapshot)
 
     def publish(self, snapshot: Snapshot) -> None:
         now = self._clock()
-        if self._last is not None and now - self._last < self._interval_s:
+        if self._first is None:
+            self._first = now
+        since = now - (self._last if self._last is not None else self._first)
+        if since < self._interval_s:
             return
         self._last = now
-        self._status.patch_progress(snapshot)
+        self._patch(snapshot)
 
     def close(self, snapshot: Snapshot) -> None:
-        self._status.patch_progress(snapshot)
+        if self._last is not None:  # the last state of a progress someone could see
+            self._patch(snapshot)

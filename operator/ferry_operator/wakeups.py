@@ -1,0 +1,86 @@
+"""Which ModelWeights to reconcile now, and when to look again.
+
+Each ModelWeights has one reconciler (a kopf daemon) that sleeps until woken
+or until its resync is due. It is woken by the watch events of what it
+depends on — its own spec or retry annotation, its prepare Jobs and their
+pods, the Deployments it wires and their pods — and by a local worker's
+exit. So a change is acted on as it happens, and an idle object costs a
+wake-up per resync, not a re-plan every couple of seconds.
+
+Everything here runs on the operator's event loop except `wake_threadsafe`
+and `record`, which the reconcile threads call.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Hashable
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+class Wakeups:
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: dict[Key, asyncio.Event] = {}
+        self._lock = threading.Lock()  # guards the two maps below (written by reconcile threads)
+        self._wired: dict[Key, set[Key]] = {}  # Deployment -> the ModelWeights that wire it
+        self._inputs: dict[Key, Hashable] = {}  # ModelWeights -> the inputs it was last reconciled with
+
+    def register(self, key: Key) -> asyncio.Event:
+        """The reconciler's wake-up flag (called on the loop, as the reconciler starts)."""
+        self._loop = asyncio.get_running_loop()
+        event = self._events[key] = asyncio.Event()
+        return event
+
+    def unregister(self, key: Key, event: asyncio.Event) -> None:
+        if self._events.get(key) is event:
+            del self._events[key]
+        with self._lock:
+            self._inputs.pop(key, None)
+            for owners in self._wired.values():
+                owners.discard(key)
+
+    def wake(self, key: Key) -> None:
+        event = self._events.get(key)
+        if event is not None:
+            event.set()
+
+    def wake_threadsafe(self, namespace: str, name: str) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.wake, (namespace, name))
+
+    def record(self, key: Key, inputs: Hashable, deployments: list[str]) -> None:
+        """What a reconcile just saw: its own inputs, and the Deployments it wires."""
+        with self._lock:
+            self._inputs[key] = inputs
+            for owners in self._wired.values():
+                owners.discard(key)
+            for name in deployments:
+                self._wired.setdefault((key[0], name), set()).add(key)
+
+    def inputs_changed(self, key: Key, inputs: Hashable) -> bool:
+        with self._lock:
+            return self._inputs.get(key) != inputs
+
+    def wake_wirers(self, deployment: Key) -> None:
+        with self._lock:
+            owners = list(self._wired.get(deployment, ()))
+        for key in owners:
+            self.wake(key)
+
+
+async def sleep(wake: asyncio.Event, stopped: Any, timeout: float) -> None:
+    """Until woken, stopped (kopf's flag, awaitable), or `timeout` seconds pass."""
+    if wake.is_set() or stopped:
+        return
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(until_stopped())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
