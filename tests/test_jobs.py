@@ -112,3 +112,13 @@ def test_s3_artifacts_are_removed_with_ferry_delete_artifact():
     assert "ownerReferences" not in at_deletion["metadata"]  # it must outlive the ModelWeights
     (d,) = at_deletion["spec"]["template"]["spec"]["containers"]
     assert d["args"] == ["delete-artifact", uri] and at_deletion["spec"]["ttlSecondsAfterFinished"] > 0
+
+
+def test_the_workers_progress_interval_is_passed_only_when_set():
+    m = tensorizer_mw()
+    fetch, _ = prepare_steps(m.spec)
+    def env(settings):
+        (c,) = jobs.job_manifest(m, fetch, "uid", settings)["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in c["env"]}
+    assert "FERRY_PROGRESS_INTERVAL" not in env(SETTINGS)  # the worker's own default
+    assert env(jobs.WorkerSettings(image="ferry:dev", progress_interval="0.5"))["FERRY_PROGRESS_INTERVAL"] == "0.5"

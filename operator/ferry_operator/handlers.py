@@ -91,6 +91,7 @@ def make_executor() -> Executor:
             node_selector=json.loads(os.environ.get("FERRY_WORKER_NODE_SELECTOR", "{}")),
             tolerations=json.loads(os.environ.get("FERRY_WORKER_TOLERATIONS", "[]")),
             tensorize_image=os.environ.get("FERRY_TENSORIZE_IMAGE", ""),
+            progress_interval=os.environ.get("FERRY_WORKER_PROGRESS_INTERVAL", ""),
         ))
     if kind == "local":
         from .executors.local import LocalExecutor

@@ -48,7 +48,10 @@ def install_chart(kube: Kube, release: str, namespace: str, watch: str, image_re
             "--set", "operator.resources.requests.cpu=50m",
             "--set-json", 'worker.resources={"requests":{"cpu":"100m","memory":"256Mi"},"limits":{"memory":"1Gi"}}',
             "--set-json", 'loader.resources={"requests":{"cpu":"100m","memory":"128Mi"},"limits":{"memory":"512Mi"}}',
-            "--set", "operator.logLevel=debug", "--wait", "--timeout", "180s"]
+            "--set", "operator.logLevel=debug",
+            # Every worker reports progress, however short its step (the tests read it in the audit log).
+            "--set-string", "worker.progressIntervalSeconds=0",
+            "--wait", "--timeout", "180s"]
     for s in sets:
         args += ["--set", s]
     proc = helm(*args, check=False)

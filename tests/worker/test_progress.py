@@ -197,3 +197,17 @@ def test_default_sinks_follow_the_terminal_and_the_environment(monkeypatch: pyte
     monkeypatch.setenv("FERRY_MODELWEIGHTS_NAMESPACE", "team-a")
     sinks = default_sinks(io.StringIO())
     assert [type(s).__name__ for s in sinks] == ["LogLines", "KubeStatusSink"]
+
+
+def test_kube_status_sink_with_no_interval_reports_even_a_step_with_no_tick() -> None:
+    class Status:
+        def __init__(self) -> None:
+            self.patches: list[int] = []
+
+        def patch_progress(self, snap: Snapshot) -> None:
+            self.patches.append(snap.bytes_done)
+
+    status = Status()
+    sink = KubeStatusSink(lambda: status, interval_s=0, clock=Clock())  # type: ignore[arg-type]
+    sink.close(snapshot(100, 100, finished=True))
+    assert status.patches == [100]

@@ -85,7 +85,7 @@ class KubeStatusSink:
         self._status = status
         self._interval_s = interval_s
         self._clock = clock
-        self._first: float | None = None
+        self._started = clock()
         self._last: float | None = None
 
     @classmethod
@@ -100,14 +100,13 @@ class KubeStatusSink:
 
     def publish(self, snapshot: Snapshot) -> None:
         now = self._clock()
-        if self._first is None:
-            self._first = now
-        since = now - (self._last if self._last is not None else self._first)
-        if since < self._interval_s:
+        if now - (self._last if self._last is not None else self._started) < self._interval_s:
             return
         self._last = now
         self._patch(snapshot)
 
     def close(self, snapshot: Snapshot) -> None:
-        if self._last is not None:  # the last state of a progress someone could see
+        # The last state of a progress someone could have seen; nothing for a
+        # step that ended within its first interval.
+        if self._last is not None or self._clock() - self._started >= self._interval_s:
             self._patch(snapshot)

@@ -48,6 +48,8 @@ class WorkerSettings:
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     # `ferry tensorize` needs torch and tensorizer (the `tensorize` extra): an image of its own may carry them.
     tensorize_image: str = ""
+    # FERRY_PROGRESS_INTERVAL of the workers ("": theirs).
+    progress_interval: str = ""
 
 
 def dns_name(*parts: str, limit: int = 63) -> str:
@@ -138,6 +140,8 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
         # Hub downloads cache on the claim, so a retried Job resumes instead of restarting.
         {"name": "HF_HOME", "value": f"{WEIGHTS_MOUNT}/.hf-cache"},
     ]
+    if settings.progress_interval:
+        env.append({"name": "FERRY_PROGRESS_INTERVAL", "value": settings.progress_interval})
     env_from = []
     if step.name in S3_WRITING_STEPS:
         env += storage_s3_env(mw)
