@@ -148,15 +148,18 @@ def test_status_body_matches_the_crd() -> None:
     assert (done["percent"], done["etaSeconds"]) == (100, 0)
 
 
+class PatchedStatus:
+    """The ModelWeights status as the sink patches it: bytes done per patch."""
+
+    def __init__(self) -> None:
+        self.patches: list[int] = []
+
+    def patch_progress(self, snap: Snapshot) -> None:
+        self.patches.append(snap.bytes_done)
+
+
 def test_kube_status_sink_patches_at_most_every_interval() -> None:
-    class Status:
-        def __init__(self) -> None:
-            self.patches: list[int] = []
-
-        def patch_progress(self, snap: Snapshot) -> None:
-            self.patches.append(snap.bytes_done)
-
-    clock, status = Clock(), Status()
+    clock, status = Clock(), PatchedStatus()
     sink = KubeStatusSink(status, interval_s=5, clock=clock)  # type: ignore[arg-type]
     for second in range(12):
         sink.publish(snapshot(second, 100))
@@ -200,14 +203,7 @@ def test_default_sinks_follow_the_terminal_and_the_environment(monkeypatch: pyte
 
 
 def test_kube_status_sink_with_no_interval_reports_even_a_step_with_no_tick() -> None:
-    class Status:
-        def __init__(self) -> None:
-            self.patches: list[int] = []
-
-        def patch_progress(self, snap: Snapshot) -> None:
-            self.patches.append(snap.bytes_done)
-
-    status = Status()
+    status = PatchedStatus()
     sink = KubeStatusSink(lambda: status, interval_s=0, clock=Clock())  # type: ignore[arg-type]
     sink.close(snapshot(100, 100, finished=True))
     assert status.patches == [100]
