@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """Benchmark: the operator at scale, local executor, tiny checkpoints.
 
-    .venv/bin/python bench/operator_scale.py [--objects 100] [--idle-seconds 60] [--interval 2]
+    .venv/bin/python bench/operator_scale.py [--objects 100] [--idle-seconds 60] [--apply-threads 8] [--interval 2]
 
 Starts its own local cluster (control plane + kwok's GPU nodes, no real node:
 FERRY_NODE=0, state in --state, default /tmp/ferry-scale) and one operator
 process (`ferry-operator run`, local executor), then applies --objects
-ModelWeights at once (--apply-threads client threads, default 8), each a safetensors copy of the same
-tiny checkpoint wired to a vLLM Deployment of its own (one replica, one GPU;
-an extra kwok node holds them all and their rolling updates). Measures:
+ModelWeights at once (--apply-threads client threads, default 8), each a
+safetensors copy of the same tiny checkpoint wired to a vLLM Deployment of
+its own (one replica, one GPU; an extra kwok node holds them all and their
+rolling updates; the controller manager at 200 requests/s, see
+FERRY_CONTROLLER_MANAGER_ARGS below). Measures:
 
 - apply -> step started: the first worker's launch record (local executor's
   `.steps/<step>.launches`, written by the runner as it starts) minus the
-  moment the object was created (its creationTimestamp, 1 s resolution,
-  and the client's own clock before the apply);
-- apply -> Ready: when a watch on ModelWeights first sees Ready=True;
+  client's clock just before its create call;
+- apply -> Deployment patched (a watch sees the artifact in its template),
+  -> Prepared and -> Ready (a watch on ModelWeights), the worker's own run,
+  and its exit -> Ready; per object in the JSON's "timeline";
 - the operator's RSS (peak and idle) and CPU seconds (prepare and idle);
 - API requests per second while every object is Ready and idle: the
   difference of the API server's own `apiserver_request_total` over
