@@ -114,43 +114,37 @@ def main() -> None:
     wired_at: dict[str, float] = {}
     done = threading.Event()
 
-    def watch_wired() -> None:
-        # When each Deployment's template first carries the artifact (the operator's patch).
-        while not done.is_set():
-            try:
-                for event in watch.Watch().stream(apps.list_namespaced_deployment, ns, timeout_seconds=300):
-                    dep = event["object"]
-                    annotations = dep.spec.template.metadata.annotations or {}
-                    if "ferry.dev/modelweights" in annotations:
-                        wired_at.setdefault(dep.metadata.name, time.time())
-                    if len(wired_at) >= args.objects or done.is_set():
-                        return
-            except Exception as exc:  # noqa: BLE001 - report and watch again
-                print(f"[operator_scale] deployment watch ended ({type(exc).__name__}); watching again", file=sys.stderr)
-                time.sleep(1)
-
-    def watch_ready() -> None:
+    def keep_watching(what: str, list_fn, *list_args, seen) -> None:
         # A watch the API server ends (or that fails) is started again: its
-        # initial listing replays the current state, and the first Ready time seen is kept.
+        # initial listing replays the current state, and the first times seen are kept.
         while not done.is_set():
             try:
-                for event in watch.Watch().stream(custom.list_namespaced_custom_object, "ferry.dev", "v1alpha1", ns,
-                                                  "modelweights", timeout_seconds=300):
-                    obj = event["object"]
-                    conds = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
-                    if conds.get("Prepared") == "True":
-                        prepared_at.setdefault(obj["metadata"]["name"], time.time())
-                    if conds.get("Ready") == "True":
-                        ready_at.setdefault(obj["metadata"]["name"], time.time())
-                    if len(ready_at) >= args.objects or done.is_set():
+                for event in watch.Watch().stream(list_fn, *list_args, timeout_seconds=300):
+                    if seen(event["object"]) or done.is_set():
                         return
             except Exception as exc:  # noqa: BLE001 - report and watch again
-                print(f"[operator_scale] watch ended ({type(exc).__name__}: {exc}); watching again", file=sys.stderr)
+                print(f"[operator_scale] {what} watch ended ({type(exc).__name__}: {exc}); watching again",
+                      file=sys.stderr)
                 time.sleep(1)
 
-    watcher = threading.Thread(target=watch_ready, daemon=True)
-    watcher.start()
-    threading.Thread(target=watch_wired, daemon=True).start()
+    def wired(dep) -> bool:
+        # When each Deployment's template first carries the artifact (the operator's patch).
+        if "ferry.dev/modelweights" in (dep.spec.template.metadata.annotations or {}):
+            wired_at.setdefault(dep.metadata.name, time.time())
+        return len(wired_at) >= args.objects
+
+    def prepared_and_ready(obj) -> bool:
+        conds = {c["type"]: c["status"] for c in (obj.get("status") or {}).get("conditions", [])}
+        for cond, at in (("Prepared", prepared_at), ("Ready", ready_at)):
+            if conds.get(cond) == "True":
+                at.setdefault(obj["metadata"]["name"], time.time())
+        return len(ready_at) >= args.objects
+
+    threading.Thread(target=keep_watching, args=("ModelWeights", custom.list_namespaced_custom_object, "ferry.dev",
+                                                 "v1alpha1", ns, "modelweights"),
+                     kwargs={"seen": prepared_and_ready}, daemon=True).start()
+    threading.Thread(target=keep_watching, args=("Deployment", apps.list_namespaced_deployment, ns),
+                     kwargs={"seen": wired}, daemon=True).start()
     time.sleep(3)  # the operator's start-up
     applied_at: dict[str, float] = {}
     # Room for every Deployment and its rolling update's surge pod, on one node

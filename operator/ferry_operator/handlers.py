@@ -323,20 +323,21 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
         # kopf passes each index under its handler's name.
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
             EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"])
-        result, patch, requeue_after = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
-                                                             indexes.get("serving_pods"))
+        result, patch, delay = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
+                                                     indexes.get("serving_pods"))
         wired = [d.get("name") for d in ((body.get("spec") or {}).get("serving") or {}).get("deployments") or []]
         WAKEUPS.record((namespace, name), _inputs(body), [w for w in wired if w])
     finally:
         metrics.RECONCILES.labels(result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    if requeue_after is None:
-        delay = RESYNC_INTERVAL
-    elif requeue_after == 0:
-        delay = WAKE_COALESCE_S  # it acted: what it did may need a next step no event announces
-    else:
-        delay = RECONCILE_INTERVAL
     return Reconciled(delay, patch)
+
+
+def _next_look(requeue_after: float | None, acted: bool) -> float:
+    """Seconds until the reconciler looks again unless an event wakes it first."""
+    if acted:
+        return WAKE_COALESCE_S  # what it did may need a next step no event announces
+    return RESYNC_INTERVAL if requeue_after is None else RECONCILE_INTERVAL
 
 
 def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
@@ -351,8 +352,8 @@ def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str,
 
 
 def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
-                          deployment_index: Any, pod_index: Any = None) -> tuple[str, dict[str, Any], float | None]:
-    """(result for the metrics, the status merge patch, the planner's requeue_after)."""
+                          deployment_index: Any, pod_index: Any = None) -> tuple[str, dict[str, Any], float]:
+    """(result for the metrics, the status merge patch, seconds until the next look)."""
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
     try:
@@ -362,13 +363,12 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
         before = _parse_status(raw_status)
         status = blocked(before, body["metadata"].get("generation", 0), type(exc).__name__, str(exc))
         _report(body, uid, None, transitions(before, status, []), status)
-        return "ok", _status_patch(raw_status, status), None  # only a spec change helps
+        return "ok", _status_patch(raw_status, status), _next_look(None, False)  # only a spec change helps
     actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
     result = "ok"
     try:
         status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index)
-        if actions:
-            requeue_after = 0.0
+        delay = _next_look(requeue_after, bool(actions))
     except ApiException as exc:
         if exc.status != 403:  # logged and retried by the reconciler
             raise
@@ -379,9 +379,9 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
         previous = raw_status.get("conditions") or []
         if not any(c.get("type") == "Stalled" and c.get("message") == message for c in previous):
             log.warning("%s/%s: %s", namespace, name, message)
-        status, requeue_after = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message), RECONCILE_INTERVAL
+        status, delay = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message), RECONCILE_INTERVAL
     _report(body, uid, mw, transitions(mw.status, status, actions), status, steps)
-    return result, _status_patch(raw_status, status), requeue_after
+    return result, _status_patch(raw_status, status), delay
 
 
 def _report(body: dict[str, Any], uid: str, mw: ModelWeights | None, events: list[Event], status: ModelWeightsStatus,

@@ -23,8 +23,9 @@ class Wakeups:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[Key, asyncio.Event] = {}
-        self._lock = threading.Lock()  # guards the two maps below (written by reconcile threads)
-        self._wired: dict[Key, set[Key]] = {}  # Deployment -> the ModelWeights that wire it
+        self._lock = threading.Lock()  # guards the maps below (written by reconcile threads)
+        self._wirers: dict[Key, set[Key]] = {}  # Deployment -> the ModelWeights that wire it
+        self._wires: dict[Key, set[Key]] = {}  # ModelWeights -> the Deployments it wires
         self._inputs: dict[Key, Hashable] = {}  # ModelWeights -> the inputs it was last reconciled with
 
     def register(self, key: Key) -> asyncio.Event:
@@ -38,8 +39,7 @@ class Wakeups:
             del self._events[key]
         with self._lock:
             self._inputs.pop(key, None)
-            for owners in self._wired.values():
-                owners.discard(key)
+            self._rewire(key, set())
 
     def wake(self, key: Key) -> None:
         event = self._events.get(key)
@@ -54,10 +54,21 @@ class Wakeups:
         """What a reconcile just saw: its own inputs, and the Deployments it wires."""
         with self._lock:
             self._inputs[key] = inputs
-            for owners in self._wired.values():
-                owners.discard(key)
-            for name in deployments:
-                self._wired.setdefault((key[0], name), set()).add(key)
+            self._rewire(key, {(key[0], name) for name in deployments})
+
+    def _rewire(self, key: Key, deployments: set[Key]) -> None:
+        """Under the lock: `key` now wires exactly `deployments` (one reconcile's cost stays
+        proportional to its own Deployments, not to every object's)."""
+        old = self._wires.pop(key, set())
+        for deployment in old - deployments:
+            owners = self._wirers[deployment]
+            owners.discard(key)
+            if not owners:
+                del self._wirers[deployment]
+        for deployment in deployments - old:
+            self._wirers.setdefault(deployment, set()).add(key)
+        if deployments:
+            self._wires[key] = deployments
 
     def inputs_changed(self, key: Key, inputs: Hashable) -> bool:
         with self._lock:
@@ -65,7 +76,7 @@ class Wakeups:
 
     def wake_wirers(self, deployment: Key) -> None:
         with self._lock:
-            owners = list(self._wired.get(deployment, ()))
+            owners = list(self._wirers.get(deployment, ()))
         for key in owners:
             self.wake(key)
 

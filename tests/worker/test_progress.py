@@ -160,7 +160,7 @@ class PatchedStatus:
 
 def test_kube_status_sink_patches_at_most_every_interval() -> None:
     clock, status = Clock(), PatchedStatus()
-    sink = KubeStatusSink(status, interval_s=5, clock=clock)  # type: ignore[arg-type]
+    sink = KubeStatusSink(lambda: status, interval_s=5, clock=clock)  # type: ignore[arg-type,return-value]
     for second in range(12):
         sink.publish(snapshot(second, 100))
         clock.now += 1

@@ -79,10 +79,11 @@ class KubeStatusSink:
     imports the Kubernetes client (most of a tiny step's CPU time)."""
 
     def __init__(
-        self, status: ModelWeightsStatus | Callable[[], ModelWeightsStatus], interval_s: float = DEFAULT_INTERVAL_S,
+        self, connect: Callable[[], ModelWeightsStatus], interval_s: float = DEFAULT_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._status = status
+        self._connect = connect  # called on the first patch
+        self._status: ModelWeightsStatus | None = None
         self._interval_s = interval_s
         self._clock = clock
         self._started = clock()
@@ -94,8 +95,8 @@ class KubeStatusSink:
         return cls(lambda: ModelWeightsStatus.connect(name, namespace), interval)
 
     def _patch(self, snapshot: Snapshot) -> None:
-        if callable(self._status) and not isinstance(self._status, ModelWeightsStatus):
-            self._status = self._status()  # connect on the first patch
+        if self._status is None:
+            self._status = self._connect()
         self._status.patch_progress(snapshot)
 
     def publish(self, snapshot: Snapshot) -> None:
