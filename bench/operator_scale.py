@@ -103,6 +103,7 @@ def main() -> None:
         (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     root = args.state / "artifacts"
     env = {**os.environ, "KUBECONFIG": kubeconfig, "FERRY_EXECUTOR": "local", "FERRY_LOCAL_ROOT": str(root),
+           "FERRY_ADMISSION_POLICIES": localcluster.apply_admission_policies("ferry-scale", Path(kubeconfig)),
            "FERRY_RECONCILE_INTERVAL": str(args.interval), "PATH": f"{BIN}:{os.environ['PATH']}"}
     log = open(args.state / "operator.log", "ab")
     operator = subprocess.Popen([str(BIN / "ferry-operator"), "run", "--standalone", "--namespace", ns], env=env,

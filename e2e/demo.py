@@ -42,12 +42,17 @@ DEMO = localcluster.STATE / "demo"
 OPERATOR_PID = localcluster.STATE / "operator.pid"
 OPERATOR_LOG = localcluster.STATE / "operator.log"
 NAMESPACE = "ferry-demo"
+# The chart's admission policies, applied under a release name of their own
+# (the tests helm-install release "ferry" into a cluster the demo left running).
+DEMO_RELEASE = "ferry-demo"
 BIN = Path(sys.executable).parent
 
 
 def start_operator() -> int:
     """`ferry-operator run` in the background, its pid and log under .ferry/ (`make cluster-down` stops it)."""
+    policies = localcluster.apply_admission_policies(DEMO_RELEASE)
     env = {**os.environ, "KUBECONFIG": str(localcluster.KUBECONFIG), "FERRY_EXECUTOR": "local",
+           "FERRY_ADMISSION_POLICIES": policies,
            "FERRY_LOCAL_ROOT": str(DEMO / "artifacts"), "PATH": f"{BIN}:{os.environ['PATH']}"}
     with open(OPERATOR_LOG, "ab") as log:
         proc = subprocess.Popen([str(BIN / "ferry-operator"), "run", "--standalone", "--namespace", NAMESPACE],

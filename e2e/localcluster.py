@@ -116,6 +116,27 @@ def import_images(node: "localnode.Node", images: dict[str, dict[str, str]]) -> 
                     str(node.paths.containerd_sock)], check=True, stdout=subprocess.DEVNULL)
 
 
+ADMISSION_TEMPLATES = ("templates/admission.yaml", "templates/weights-reporter.yaml")
+
+
+def apply_admission_policies(release: str, kubeconfig: Path = KUBECONFIG) -> str:
+    """The chart's admission policies (references authorised as the user; pods
+    report on themselves only) rendered for `release` and applied: an operator
+    run outside the chart refuses to act without them. Returns their names as
+    FERRY_ADMISSION_POLICIES takes them."""
+    import yaml  # the venv's; `make cluster-down` runs this module with the system python
+
+    argv = [str(binaries() / "helm"), "template", release, str(REPO / "charts/ferry"), "--namespace", "ferry-system",
+            "--kube-version", "1.34.0"]
+    for template in ADMISSION_TEMPLATES:
+        argv += ["--show-only", template]
+    rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    subprocess.run([kubectl_path(), "--kubeconfig", str(kubeconfig), "apply", "-f", "-"], input=rendered,
+                   capture_output=True, text=True, check=True)
+    return ",".join(d["metadata"]["name"] for d in yaml.safe_load_all(rendered)
+                    if d and d["kind"] == "ValidatingAdmissionPolicy")
+
+
 def kubectl_path() -> str:
     """The kubectl built with the control plane (same release, no version skew)."""
     return str(binaries() / "kubectl")
@@ -362,7 +383,6 @@ class Cluster:
                                            localnode.NODE_NAME, "-o", f"jsonpath={jsonpath}"],
                                           capture_output=True, text=True).stdout == "True",
                    timeout, f"node {localnode.NODE_NAME} Ready", pids)
-        localnode.guard_first()
 
     def _apply(self, obj: dict) -> None:
         subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "-f", "-"],

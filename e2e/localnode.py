@@ -18,6 +18,11 @@ Network, by the workplace's rule that no traffic leaves this machine:
 - host traffic to Service IPs that kube-proxy did not translate, and to
   kwok's fake pod IPs, is dropped in OUTPUT instead of following the default
   route.
+  The FORWARD guard lives in the mangle table, which netfilter traverses
+  before the filter table's FORWARD and which kube-proxy and the kubelet never
+  write to: no rule they add (kube-proxy inserts its accepting KUBE-FORWARD
+  and others at the top of filter's FORWARD whenever it resyncs) can come
+  before it.
 Everything it starts is stopped by `down()`: processes (kubelet, kube-proxy,
 the provisioner, containerd, its shims and every container process), mounts,
 network namespaces, the bridge and the iptables rules (kube-proxy's own are
@@ -42,6 +47,7 @@ POD_CIDR = "10.250.0.0/24"
 NODE_IP = "10.250.0.1"
 KWOK_POD_CIDR = "10.244.0.0/16"
 GUARD_CHAINS = {"FORWARD": "FERRY-FORWARD", "OUTPUT": "FERRY-OUTPUT"}
+GUARD_TABLE = "mangle"  # of FERRY-FORWARD: traversed before filter; nobody else writes its FORWARD
 CNI_BIN = Path(os.environ.get("FERRY_CNI_BIN", "/usr/lib/cni"))
 STORAGE_NAMESPACE = "local-path-storage"
 # Two classes from one provisioner. The default, `ferry-shared`, stands for the
@@ -111,36 +117,28 @@ def network_up(service_cidr: str) -> None:
         bridge_nf.write_text("1")
     _guard_down()
     forward, output = GUARD_CHAINS["FORWARD"], GUARD_CHAINS["OUTPUT"]
-    sh("iptables", "-w", "-N", forward)
-    sh("iptables", "-w", "-A", forward, "-s", POD_CIDR, "-d", POD_CIDR, "-j", "RETURN")
-    sh("iptables", "-w", "-A", forward, "-s", POD_CIDR, "-j", "DROP")
-    sh("iptables", "-w", "-A", forward, "-d", POD_CIDR, "-j", "DROP")
-    sh("iptables", "-w", "-I", "FORWARD", "1", "-j", forward)
+    mangle = ("iptables", "-w", "-t", GUARD_TABLE)
+    sh(*mangle, "-N", forward)
+    sh(*mangle, "-A", forward, "-s", POD_CIDR, "-d", POD_CIDR, "-j", "RETURN")
+    sh(*mangle, "-A", forward, "-s", POD_CIDR, "-j", "DROP")
+    sh(*mangle, "-A", forward, "-d", POD_CIDR, "-j", "DROP")
+    sh(*mangle, "-I", "FORWARD", "1", "-j", forward)
+    # OUTPUT must see Service IPs after kube-proxy's DNAT (nat OUTPUT), so this
+    # one stays in filter; kube-proxy's filter OUTPUT chains only reject or drop,
+    # so rules it puts above it cannot let anything past it.
     sh("iptables", "-w", "-N", output)
     sh("iptables", "-w", "-A", output, "-d", service_cidr, "-j", "DROP")
     sh("iptables", "-w", "-A", output, "-d", KWOK_POD_CIDR, "-j", "DROP")
     sh("iptables", "-w", "-I", "OUTPUT", "1", "-j", output)
 
 
-def guard_first(timeout: float = 30) -> None:
-    """Put the guard's jumps ahead of kube-proxy's (it inserts its own at the
-    top once, when it first syncs; it never moves them again)."""
-    deadline = time.monotonic() + timeout
-    while "KUBE-FORWARD" not in sh("iptables", "-w", "-S", "FORWARD").stdout:
-        if time.monotonic() > deadline:
-            raise SystemExit("kube-proxy did not program iptables; see kube-proxy.log")
-        time.sleep(0.2)
-    for parent, chain in GUARD_CHAINS.items():
-        sh("iptables", "-w", "-D", parent, "-j", chain)
-        sh("iptables", "-w", "-I", parent, "1", "-j", chain)
-
-
 def _guard_down() -> None:
-    for parent, chain in GUARD_CHAINS.items():
-        while sh("iptables", "-w", "-D", parent, "-j", chain, check=False).returncode == 0:
-            pass
-        sh("iptables", "-w", "-F", chain, check=False)
-        sh("iptables", "-w", "-X", chain, check=False)
+    for table in ("filter", GUARD_TABLE):  # FERRY-FORWARD in filter: where an older harness put it
+        for parent, chain in GUARD_CHAINS.items():
+            while sh("iptables", "-w", "-t", table, "-D", parent, "-j", chain, check=False).returncode == 0:
+                pass
+            sh("iptables", "-w", "-t", table, "-F", chain, check=False)
+            sh("iptables", "-w", "-t", table, "-X", chain, check=False)
 
 
 # Chains the node leaves in iptables: the kubelet's (KUBE-FIREWALL and its

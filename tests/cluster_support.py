@@ -50,7 +50,8 @@ def running_operator(kube: Kube, namespace: str, log_path: Path, **env: str):
 
 @contextlib.contextmanager
 def _operator_process(kube: Kube, namespace: str, log_path: Path, env: dict[str, str]):
-    full_env = {**os.environ, "FERRY_RECONCILE_INTERVAL": "1", **env}
+    full_env = {**os.environ, "FERRY_RECONCILE_INTERVAL": "1",
+                "FERRY_ADMISSION_POLICIES": admission_policies(kube), **env}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
                                  "--namespace", namespace], env=full_env, stdout=log, stderr=subprocess.STDOUT)
@@ -67,6 +68,20 @@ def _operator_process(kube: Kube, namespace: str, log_path: Path, env: dict[str,
                 proc.kill()
     if os.environ.get("FERRY_SHOW_OPERATOR_LOG"):
         print(log_path.read_text())
+
+
+TEST_RELEASE = "ferry-tests"
+_policies: dict[str, str] = {}
+
+
+def admission_policies(kube: Kube) -> str:
+    """The chart's admission policies (release ferry-tests), applied once per
+    test process: operators started by tests refuse to act without them."""
+    import localcluster
+
+    if str(kube.kubeconfig) not in _policies:
+        _policies[str(kube.kubeconfig)] = localcluster.apply_admission_policies(TEST_RELEASE, kube.kubeconfig)
+    return _policies[str(kube.kubeconfig)]
 
 
 def wait_for(fn, what: str, timeout: float = 60):

@@ -60,15 +60,113 @@ def test_operator_deployment_is_hardened(helm):
     assert "--all-namespaces" in c["args"]
 
 
+def worker_namespaces(docs) -> set[str]:
+    return {d["metadata"]["namespace"] for d in by_kind(docs, "ServiceAccount") if d["metadata"]["name"] == "ferry-worker"}
+
+
 @pytest.mark.helm
 def test_watch_namespaces_and_worker_namespaces(helm):
-    docs = render(helm, "operator.watchNamespaces={ml,research}", "workerNamespaces={ml,research}")
+    docs = render(helm, "operator.watchNamespaces={ml,research}", "workerNamespaces={ml}")
     (dep,) = by_kind(docs, "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ml" in args and "--namespace=research" in args and "--all-namespaces" not in args
-    worker_sas = {(d["metadata"]["namespace"]) for d in by_kind(docs, "ServiceAccount")
-                  if d["metadata"]["name"] == "ferry-worker"}
-    assert worker_sas == {"ml", "research", "ferry-system"}
+    assert worker_namespaces(docs) == {"ml", "ferry-system"}
+    # Unset, the worker identity goes where the operator works.
+    assert worker_namespaces(render(helm, "operator.watchNamespaces={ml,research}")) == {"ml", "research", "ferry-system"}
+    assert worker_namespaces(render(helm)) == {"ferry-system"}
+
+
+# Grants as (apiGroup, resource, verb, resourceName or "*"): what the chart gives the operator.
+READS = ("get", "list", "watch")
+OPERATOR_NAMESPACED = {
+    *(("ferry.dev", "modelweights", v, "*") for v in (*READS, "patch", "update")),
+    *(("ferry.dev", "modelweights/status", v, "*") for v in ("get", "patch", "update")),
+    ("ferry.dev", "modelweights/finalizers", "update", "*"),
+    *(("batch", "jobs", v, "*") for v in (*READS, "create", "delete", "patch")),
+    *(("", "persistentvolumeclaims", v, "*") for v in (*READS, "create", "delete", "patch")),
+    *(("apps", "deployments", v, "*") for v in (*READS, "patch")),
+    *(("", "pods", v, "*") for v in READS),
+    *((g, "events", v, "*") for g in ("", "events.k8s.io") for v in ("create", "patch")),
+    *(("", "serviceaccounts", v, "*") for v in ("get", "create")),
+    *(("rbac.authorization.k8s.io", "rolebindings", v, "*") for v in ("get", "create")),
+    *(("rbac.authorization.k8s.io", "clusterroles", "bind", n) for n in ("ferry-worker", "ferry-weights-reporter")),
+}
+OPERATOR_CLUSTER_READS = {
+    *(("apiextensions.k8s.io", "customresourcedefinitions", v, "*") for v in READS),
+    ("storage.k8s.io", "storageclasses", "get", "*"),
+    *(("admissionregistration.k8s.io", r, v, "*")
+      for r in ("validatingadmissionpolicies", "validatingadmissionpolicybindings") for v in READS),
+}
+WORKER_GRANTS = {("", "pods/status", "patch", "*"), ("ferry.dev", "weightsreports", "create", "*")}
+
+
+def grants(role: dict) -> set[tuple[str, str, str, str]]:
+    return {(g, r, v, n) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"] for n in rule.get("resourceNames", ["*"])}
+
+
+def bound_roles(docs, subject_name: str, subject_namespace: str = "ferry-system"):
+    """(binding kind, binding namespace or None, role) for each binding of the ServiceAccount."""
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in by_kind(docs, "Role") + by_kind(docs, "ClusterRole")}
+    for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
+        if {"kind": "ServiceAccount", "name": subject_name, "namespace": subject_namespace} in b["subjects"]:
+            ns = b["metadata"].get("namespace")
+            ref = b["roleRef"]
+            yield b["kind"], ns, roles[(ref["kind"], ns if ref["kind"] == "Role" else None, ref["name"])]
+
+
+@pytest.mark.helm
+def test_namespaced_install_grants_the_operator_nothing_outside_its_namespaces(helm):
+    docs = render(helm, "operator.watchNamespaces={a,b}")
+    by_place = {}
+    for kind, ns, role in bound_roles(docs, "ferry-operator"):
+        by_place.setdefault((kind, ns), set()).update(grants(role))
+    assert by_place == {("RoleBinding", "a"): OPERATOR_NAMESPACED, ("RoleBinding", "b"): OPERATOR_NAMESPACED,
+                        ("ClusterRoleBinding", None): OPERATOR_CLUSTER_READS}
+    # No ClusterRoleBinding of the release, to anyone, grants more than reads.
+    cluster_roles = {d["metadata"]["name"]: d for d in by_kind(docs, "ClusterRole")}
+    for binding in by_kind(docs, "ClusterRoleBinding"):
+        verbs = {v for (_, _, v, _) in grants(cluster_roles[binding["roleRef"]["name"]])}
+        assert verbs <= set(READS), f"ClusterRoleBinding {binding['metadata']['name']} grants {verbs}"
+    # Namespaced objects only where the operator works, and the worker identity in the release's namespace.
+    placed = {(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"])
+              for d in by_kind(docs, "Role") + by_kind(docs, "RoleBinding")}
+    assert placed == {*((k, ns, "ferry-operator") for k in ("Role", "RoleBinding") for ns in ("a", "b")),
+                      *(("RoleBinding", ns, "ferry-worker") for ns in ("a", "b", "ferry-system"))}
+
+
+@pytest.mark.helm
+def test_namespaced_grants_satisfy_the_operators_preflight(helm):
+    from ferry_operator.preflight import CLUSTER_WATCHED, WATCHED
+
+    docs = render(helm, "operator.watchNamespaces={a}")
+    (role,) = by_kind(docs, "Role")
+    (reads,) = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"].endswith("cluster-reads")]
+    for watched, granted in ((WATCHED, grants(role)), (CLUSTER_WATCHED, grants(reads))):
+        for group, resource, _ in watched:
+            for verb in ("list", "watch"):
+                assert (group, resource, verb, "*") in granted, f"{verb} {resource}.{group}"
+
+
+@pytest.mark.helm
+def test_all_namespaces_install_is_one_cluster_role(helm):
+    docs = render(helm)
+    assert by_kind(docs, "Role") == []
+    ((kind, ns, role),) = bound_roles(docs, "ferry-operator")
+    assert (kind, ns, role["metadata"]["name"]) == ("ClusterRoleBinding", None, "ferry-operator")
+    namespaces = {("", "namespaces", v, "*") for v in READS}
+    assert grants(role) == OPERATOR_NAMESPACED | OPERATOR_CLUSTER_READS | namespaces
+
+
+@pytest.mark.helm
+@pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={a,b}",)], ids=["all-namespaces", "namespaced"])
+def test_worker_may_only_report_on_its_own_pod(helm, sets):
+    docs = render(helm, *sets)
+    (role,) = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "ferry-worker"]
+    assert grants(role) == WORKER_GRANTS  # nothing on modelweights: progress travels as a condition of its own pod
+    for ns in worker_namespaces(docs):
+        assert [k for k, _, r in bound_roles(docs, "ferry-worker", ns)] == ["RoleBinding"]
 
 
 @pytest.mark.helm
@@ -110,9 +208,9 @@ def installed(kube, helm, images):
 OPERATOR = "system:serviceaccount:ferry-system:ferry-operator"
 WORKER = "system:serviceaccount:ml:ferry-worker"
 
-# (who, verb, resource, namespace, allowed)
+# (who, verb, resource, namespace or None for cluster-wide, allowed). The release watches `ml` only.
 RBAC_MATRIX = [
-    (OPERATOR, "watch", "modelweights.ferry.dev", None, True),
+    (OPERATOR, "watch", "modelweights.ferry.dev", "ml", True),
     (OPERATOR, "patch", "modelweights.ferry.dev/status", "ml", True),
     (OPERATOR, "update", "modelweights.ferry.dev/finalizers", "ml", True),
     (OPERATOR, "create", "jobs.batch", "ml", True),
@@ -120,11 +218,11 @@ RBAC_MATRIX = [
     (OPERATOR, "patch", "deployments.apps", "ml", True),
     # The serving pods report their own condition; the operator never writes pod status.
     (OPERATOR, "patch", "pods/status", "ml", False),
-    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-weights-reporter", None, True),
+    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-weights-reporter", "ml", True),
     (OPERATOR, "create", "rolebindings.rbac.authorization.k8s.io", "ml", True),
     (OPERATOR, "create", "events", "ml", True),
     (OPERATOR, "create", "serviceaccounts", "ml", True),
-    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-worker", None, True),
+    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/ferry-worker", "ml", True),
     # Why a claim stays Pending: its StorageClass, by name; never the cluster's events.
     (OPERATOR, "get", "storageclasses.storage.k8s.io", None, True),
     (OPERATOR, "list", "storageclasses.storage.k8s.io", None, False),
@@ -134,22 +232,41 @@ RBAC_MATRIX = [
     (OPERATOR, "list", "secrets", None, False),
     (OPERATOR, "create", "deployments.apps", "ml", False),
     (OPERATOR, "delete", "deployments.apps", "ml", False),
-    (OPERATOR, "create", "pods", "ml", False),
     (OPERATOR, "delete", "modelweights.ferry.dev", "ml", False),
-    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/cluster-admin", None, False),
+    (OPERATOR, "bind", "clusterroles.rbac.authorization.k8s.io/cluster-admin", "ml", False),
     (OPERATOR, "escalate", "clusterroles.rbac.authorization.k8s.io", None, False),
+    # Cluster-scoped: reads only.
+    (OPERATOR, "watch", "customresourcedefinitions.apiextensions.k8s.io", None, True),
     (OPERATOR, "update", "customresourcedefinitions.apiextensions.k8s.io", None, False),
-    (WORKER, "patch", "modelweights.ferry.dev/status", "ml", True),
-    (WORKER, "get", "modelweights.ferry.dev/status", "ml", True),
+    (OPERATOR, "watch", "validatingadmissionpolicies.admissionregistration.k8s.io", None, True),
+    (OPERATOR, "get", "validatingadmissionpolicybindings.admissionregistration.k8s.io", None, True),
+    (OPERATOR, "delete", "validatingadmissionpolicies.admissionregistration.k8s.io", None, False),
+    (OPERATOR, "update", "validatingadmissionpolicybindings.admissionregistration.k8s.io", None, False),
+    (OPERATOR, "list", "namespaces", None, False),
+    # Namespaced install: nothing outside the watched namespaces, its own release namespace included.
+    *((OPERATOR, verb, resource, ns, False) for ns in ("kube-system", "default", "ferry-system", None)
+      for verb, resource in (("create", "jobs.batch"), ("patch", "deployments.apps"),
+                             ("delete", "persistentvolumeclaims"), ("create", "rolebindings.rbac.authorization.k8s.io"),
+                             ("create", "serviceaccounts"), ("list", "modelweights.ferry.dev"), ("list", "pods"),
+                             ("bind", "clusterroles.rbac.authorization.k8s.io/ferry-worker"))),
+    # It never creates pods itself, anywhere (its Jobs do).
+    *((OPERATOR, "create", "pods", ns, False) for ns in ("ml", "kube-system", "default", "ferry-system", None)),
+    # The worker: only its own pod's condition (an admission policy narrows pods/status to that pod).
+    (WORKER, "patch", "pods/status", "ml", True),
+    (WORKER, "create", "weightsreports.ferry.dev", "ml", True),
+    (WORKER, "patch", "pods/status", "default", False),
+    (WORKER, "create", "weightsreports.ferry.dev", "default", False),
+    (WORKER, "patch", "modelweights.ferry.dev/status", "ml", False),
+    (WORKER, "get", "modelweights.ferry.dev/status", "ml", False),
+    (WORKER, "get", "modelweights.ferry.dev", "ml", False),
     (WORKER, "patch", "modelweights.ferry.dev", "ml", False),
     (WORKER, "update", "modelweights.ferry.dev", "ml", False),
     (WORKER, "delete", "modelweights.ferry.dev", "ml", False),
-    (WORKER, "patch", "modelweights.ferry.dev/status", "default", False),
     (WORKER, "get", "secrets", "ml", False),
     (WORKER, "create", "jobs.batch", "ml", False),
     (WORKER, "patch", "deployments.apps", "ml", False),
     (WORKER, "list", "pods", "ml", False),
-    (WORKER, "patch", "pods/status", "ml", False),
+    (WORKER, "patch", "pods", "ml", False),
 ]
 
 
@@ -180,6 +297,24 @@ def test_rbac_matrix(installed, who, verb, resource, ns, allowed):
     assert (answer == "yes") is allowed, f"{who} {verb} {resource} in {ns}: {answer}"
 
 
+@pytest.mark.cluster
+@pytest.mark.helm
+@pytest.mark.parametrize("ns,cluster_role,allowed", [
+    ("ml", "ferry-worker", True), ("ml", "ferry-weights-reporter", True),
+    ("ml", "cluster-admin", False), ("ml", "edit", False),
+    ("kube-system", "ferry-worker", False), ("default", "ferry-weights-reporter", False),
+])
+def test_operator_binds_only_the_chart_roles_only_in_watched_namespaces(installed, ns, cluster_role, allowed):
+    """The real API server's escalation check: `bind` granted by a Role (by resourceNames) is checked in the
+    namespace of the RoleBinding being created. Server-side dry run: checked in full, nothing stored."""
+    proc = installed.kubectl("create", "rolebinding", "ferry-bind-check", f"--clusterrole={cluster_role}",
+                             "--serviceaccount=ml:ferry-worker", "-n", ns, "--as", OPERATOR, "--dry-run=server",
+                             check=False)
+    assert (proc.returncode == 0) is allowed, proc.stderr
+    if not allowed:
+        assert "forbidden" in proc.stderr, proc.stderr
+
+
 @pytest.mark.helm
 def test_metrics_service_by_default_and_a_service_monitor_on_request(helm):
     docs = render(helm)
@@ -193,3 +328,30 @@ def test_metrics_service_by_default_and_a_service_monitor_on_request(helm):
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
     off = render(helm, "metrics.enabled=false")
     assert not [d for d in by_kind(off, "Service") if d["metadata"]["name"].endswith("-metrics")]
+
+
+@pytest.mark.helm
+def test_admission_policies_ship_enforced_and_the_operator_is_told_their_names(helm):
+    docs = render(helm)
+    policies = {p["metadata"]["name"]: p for p in by_kind(docs, "ValidatingAdmissionPolicy")}
+    assert set(policies) == {"ferry-references", "ferry-weights-reporter"}
+    bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert {b["spec"]["policyName"]: b["spec"]["validationActions"] for b in bindings} == {
+        name: ["Deny"] for name in policies}
+    assert all(p["spec"]["failurePolicy"] == "Fail" for p in policies.values())
+    (dep,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FERRY_ADMISSION_POLICIES"] == "ferry-references,ferry-weights-reporter"
+
+
+@pytest.mark.helm
+def test_every_serving_deployment_a_spec_can_hold_is_authorised(helm):
+    """The references policy checks deployments[0..N-1] one by one (a message may not
+    call the authorizer): N must be the API's own limit on serving.deployments."""
+    from ferry_operator.api.types import Serving
+
+    (policy,) = [p for p in by_kind(render(helm), "ValidatingAdmissionPolicy")
+                 if p["metadata"]["name"] == "ferry-references"]
+    checked = [v for v in policy["spec"]["validations"] if "spec.serving.deployments[" in v["messageExpression"]]
+    limit = next(m.max_length for m in Serving.model_fields["deployments"].metadata if hasattr(m, "max_length"))
+    assert len(checked) == limit == 32

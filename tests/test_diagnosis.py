@@ -21,6 +21,8 @@ import pytest
 from ferry_operator.api.validation import parse
 from ferry_operator.executors import diagnosis, jobs
 from ferry_operator.executors.diagnosis import diagnose
+from ferry_operator.executors.redact import redact
+from ferry_operator.locations import claim_artifact_uri
 from ferry_operator.planner import StepPhase
 from ferry_operator.steps import prepare_steps
 from spec_cases import manifest, with_
@@ -35,7 +37,7 @@ def ago(seconds: float) -> str:
 
 
 def make_job(obj=None, created=120, conditions=(), **status):
-    mw = parse({**(obj or manifest()), "metadata": {"name": "llama", "namespace": "ml"}})
+    mw = parse({**(obj or manifest()), "metadata": {"name": "llama", "namespace": "ml", "uid": "mw-uid"}})
     job = jobs.job_manifest(mw, prepare_steps(mw.spec)[0], "mw-uid", SETTINGS)
     job["metadata"].update(namespace="ml", uid="job-uid", creationTimestamp=ago(created))
     job["status"] = {"startTime": ago(created), "active": 1, "ready": 0, "terminating": 0,
@@ -127,8 +129,8 @@ def claim(name="llama-weights", storage_class="fast", phase="Pending", created=6
     return {"metadata": meta, "spec": spec, "status": {"phase": phase}}
 
 
-def run(job=JOB, pods=(), claims=None, classes=None):
-    return diagnose(job, list(pods), claims, classes, now=NOW)
+def run(job=JOB, pods=(), claims=None, classes=None, **kwargs):
+    return diagnose(job, list(pods), claims, classes, now=NOW, **kwargs)
 
 
 # --- a missing Secret ---------------------------------------------------------------------------
@@ -390,6 +392,239 @@ def test_complete_is_succeeded():
     assert run(job, []).phase == StepPhase.SUCCEEDED
 
 
+# --- the deadline ------------------------------------------------------------------------------
+
+DEADLINE = "Job was active longer than specified deadline"  # the Job controller's words (v1.34)
+
+
+def past_deadline(*types):
+    job = make_job(created=8300, active=0, failed=1, terminating=1,
+                   conditions=[job_condition(t, "DeadlineExceeded", DEADLINE) for t in types])
+    # The Job controller deletes the running pod; it terminates on SIGTERM.
+    killed = failed_pod("a1", 143, "ferry: fetching 30 files, 61% (86.0GiB of 141GiB)", created=8200)
+    killed["metadata"]["deletionTimestamp"] = ago(2)
+    return job, [killed]
+
+
+@pytest.mark.parametrize("types", [("FailureTarget",), ("FailureTarget", "Failed")])
+def test_a_job_past_its_deadline_fails_for_good_naming_the_deadline_and_the_chart_value(types):
+    job, pods = past_deadline(*types)
+    assert job["spec"]["activeDeadlineSeconds"] == 8192  # derived: a 200Gi claim
+    state = run(job, pods)
+    assert (state.phase, state.reason, state.retryable) == (StepPhase.FAILED, "DeadlineExceeded", False)
+    assert state.message.startswith(f"Job ml/{JOB_NAME} ran past its deadline of 8192s (activeDeadlineSeconds)")
+    assert "raise the chart's worker.activeDeadlineSeconds value" in state.message
+    assert "kubectl annotate mw/llama -n ml ferry.dev/requested-at=" in state.message
+
+
+def test_a_step_past_its_deadline_stalls_with_the_reason():
+    from ferry_operator.planner import Observed, plan
+
+    m = parse({**manifest(), "metadata": {"name": "llama", "namespace": "ml", "generation": 1, "uid": "mw-uid"}})
+    fetch = prepare_steps(m.spec)[0]
+    status = plan(m, Observed(steps={fetch.id: run(*past_deadline("Failed"))})).status
+    stalled = next(c for c in status.conditions if c.type == "Stalled")
+    assert (stalled.status, stalled.reason) == ("True", "DeadlineExceeded")
+    assert stalled.message.startswith("fetch failed: Job ml/") and status.retry is None  # not retried by itself
+
+
+# --- step results: only from the Job's own pods --------------------------------------------------
+
+RESULT = {"manifestDigest": "sha256:" + "12" * 32, "totalBytes": 141 << 30, "files": 30}
+FORGED = {"manifestDigest": "sha256:" + "66" * 32, "totalBytes": 1, "files": 1}
+
+
+def complete(completed=60):
+    return make_job(active=0, succeeded=1, completionTime=ago(completed), conditions=[
+        job_condition("SuccessCriteriaMet", "CompletionsReached", "Reached expected number of succeeded pods"),
+        job_condition("Complete", "CompletionsReached", "Reached expected number of succeeded pods")])
+
+
+def succeeded_pod(suffix, message, created=120):
+    return pod(suffix=suffix, created=created, phase="Succeeded", terminated={
+        "exitCode": 0, "reason": "Completed", "message": message, "startedAt": ago(created - 5),
+        "finishedAt": ago(created - 60)})
+
+
+def planted(body, owner=None):
+    """`body` as someone who may create pods makes it: the Job's labels copied, not made by the Job controller."""
+    body = copy.deepcopy(body)
+    body["metadata"]["name"] = body["metadata"]["name"].replace(JOB_NAME, "mine")
+    if owner is None:
+        del body["metadata"]["ownerReferences"]
+    else:
+        body["metadata"]["ownerReferences"] = [owner]
+    return body
+
+
+JOB_OWNER = {"apiVersion": "batch/v1", "kind": "Job", "name": JOB_NAME, "uid": "job-uid", "controller": True}
+
+
+@pytest.mark.parametrize("owner", [None, {**JOB_OWNER, "uid": "other-uid"}, {**JOB_OWNER, "controller": False},
+                                   {**JOB_OWNER, "kind": "ReplicaSet"}],
+                         ids=["no-owner", "another-jobs-uid", "not-controller", "not-a-job"])
+def test_a_planted_pod_with_the_jobs_labels_reports_nothing(owner):
+    forged = planted(succeeded_pod("zz", json.dumps(FORGED), created=30), owner)
+    assert forged["metadata"]["labels"]["job-name"] == JOB_NAME
+    genuine = succeeded_pod("x7k2p", json.dumps(RESULT))
+    assert diagnosis.step_result(complete(), [forged, genuine]) == jobs.StepResult(RESULT["manifestDigest"],
+                                                                                  RESULT["totalBytes"])
+    assert diagnosis.step_result(complete(), [forged]) is None
+    # Alone, it does not make the step succeed.
+    state = run(complete(), [forged], needs_result=True)
+    assert (state.phase, state.reason, state.retryable) == (StepPhase.FAILED, "ResultMissing", False)
+    assert f"Job ml/{JOB_NAME} completed, but none of its pods reported a result" in state.message
+
+
+def test_a_planted_pod_does_not_steer_the_diagnosis():
+    forged = planted(failed_pod("zz", 1, "Please run kubectl delete mw --all to fix this"))
+    running = pod(suffix="x7k2p", phase="Running", created=30)
+    state = run(make_job(), [forged, running])
+    assert state == diagnosis.StepState(StepPhase.RUNNING) and "kubectl delete" not in state.message
+
+
+def test_a_completed_jobs_result_is_awaited_a_moment_then_missing():
+    waiting = run(complete(completed=2), [], needs_result=True)
+    assert (waiting.phase, waiting.reason) == (StepPhase.RUNNING, "WaitingForResult")
+    assert run(complete(completed=60), [], needs_result=True).reason == "ResultMissing"
+    # An intermediate step's result is nobody's artifact: Complete is enough.
+    assert run(complete(), []).phase == StepPhase.SUCCEEDED
+    assert run(complete(), [succeeded_pod("x7k2p", json.dumps(RESULT))], needs_result=True).phase == StepPhase.SUCCEEDED
+
+
+@pytest.mark.parametrize("pods,words", [
+    ([succeeded_pod("x7k2p", json.dumps({**RESULT, "manifestDigest": "sha256:../../x"}))],
+     "manifestDigest 'sha256:../../x' is not sha256:<64 hex digits>"),
+    ([succeeded_pod("x7k2p", json.dumps({**RESULT, "totalBytes": -1}))], "totalBytes -1"),
+    ([succeeded_pod("x7k2p", "all done")], "not JSON: 'all done'"),
+    ([succeeded_pod("a1", json.dumps(RESULT)), succeeded_pod("b2", json.dumps(FORGED))], "2 different results"),
+])
+def test_a_malformed_result_from_the_jobs_own_pod_fails_the_step(pods, words):
+    state = run(complete(), pods, needs_result=True)
+    assert (state.phase, state.reason, state.retryable) == (StepPhase.FAILED, "MalformedResult", False)
+    assert state.message.startswith(f"Job ml/{JOB_NAME} completed, but its result") and words in state.message
+    with pytest.raises(jobs.MalformedResult):
+        diagnosis.step_result(complete(), pods)
+
+
+# --- the executor: observe and artifact, from the watch indexes ------------------------------------
+
+def executor(job, pods):
+    """The kubernetes executor reading `job` and `pods` from the handlers' index view (no API calls)."""
+    from ferry_operator.executors.kubernetes import KubernetesExecutor
+    from ferry_operator.handlers import IndexView
+
+    ex = KubernetesExecutor(SETTINGS)
+    name = job["metadata"]["name"] if job else JOB_NAME
+    ex.view = IndexView({("ml", name): [job]} if job else {}, {("ml", name): list(pods)})
+    return ex
+
+
+def safetensors_mw():
+    """One step (fetch), so its result is the artifact's, named like the Job above."""
+    m = parse({**manifest(format={"type": "safetensors"}), "metadata": {"name": "llama", "namespace": "ml",
+                                                                         "uid": "mw-uid"}})
+    (step,) = prepare_steps(m.spec)
+    job = make_job(manifest(format={"type": "safetensors"}))
+    assert job["metadata"]["name"] == jobs.job_name(m, step)
+    return m, step, job
+
+
+def test_the_executor_reads_the_artifact_only_from_the_jobs_own_pod():
+    m, step, job = safetensors_mw()
+    job = {**job, "status": complete()["status"]}
+    pods = [planted(succeeded_pod("zz", json.dumps(FORGED)), owner={**JOB_OWNER, "uid": "guessed"})]
+    ex = executor(job, pods)
+    assert ex.artifact(m, step) is None and ex.observe(m, step).reason == "ResultMissing"
+    ex = executor(job, pods + [succeeded_pod("x7k2p", json.dumps(RESULT))])
+    facts = ex.artifact(m, step)
+    assert (facts.manifest_digest, facts.total_bytes) == (RESULT["manifestDigest"], RESULT["totalBytes"])
+    assert facts.uri == claim_artifact_uri(m, step.digest) and ex.observe(m, step).phase == StepPhase.SUCCEEDED
+    # A malformed result is a failed step, never an exception out of the reconcile.
+    bad = succeeded_pod("x7k2p", '{"manifestDigest": 7}')
+    ex = executor(job, [bad])
+    assert ex.artifact(m, step) is None and ex.observe(m, step).reason == "MalformedResult"
+
+
+def test_a_file_source_is_refused_before_any_job_is_created():
+    from ferry_operator.planner import Observed, StartStep, plan
+
+    m = parse({**with_("source", {"uri": "file:///var/run/secrets/kubernetes.io/serviceaccount"}),
+               "metadata": {"name": "llama", "namespace": "ml", "generation": 1}})
+    fetch = prepare_steps(m.spec)[0]
+    state = executor(None, []).observe(m, fetch)
+    assert (state.phase, state.reason, state.retryable) == (StepPhase.FAILED, "UnsupportedSource", False)
+    assert "file:// is for the local executor only; with the kubernetes executor use pvc://, s3:// or hf://" \
+        in state.message
+    result = plan(m, Observed(steps={fetch.id: state}))
+    assert not [a for a in result.actions if isinstance(a, StartStep)]
+    assert next(c for c in result.status.conditions if c.type == "Stalled").reason == "UnsupportedSource"
+
+
+# --- redaction: what a pod wrote, before it reaches conditions and Events ----------------------------
+
+LEAKS = [
+    # botocore/s3transfer with debug logging: the environment and signed headers.
+    ("AWS_ACCESS_KEY_ID=AKIAIOSFODNN7EXAMPLE AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+     ["AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"]),
+    ("aws_session_token = IQoJb3JpZ2luX2VjEHAaCXVzLWVhc3QtMSJHMEUCIQDx0Ab1 region=us-east-1",
+     ["IQoJb3JpZ2luX2VjEHAaCXVzLWVhc3QtMSJHMEUCIQDx0Ab1"]),
+    ("botocore.exceptions.ClientError: Credential=ASIAY34FZKBOKMUTVV7A/20250601/us-east-1/s3/aws4_request, "
+     "SignedHeaders=host;x-amz-date, Signature=0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0",
+     ["ASIAY34FZKBOKMUTVV7A", "0f1e2d3c4b5a69788796a5b4c3d2e1f0"]),
+    ("urllib3.exceptions.MaxRetryError: GET https://models.s3.amazonaws.com/llama/config.json?X-Amz-Credential="
+     "ASIAY34FZKBOKMUTVV7A%2F20250601&X-Amz-Security-Token=FwoGZXIvYXdzEBYaDHqa0AP&X-Amz-Signature=9f8e7d",
+     ["ASIAY34FZKBOKMUTVV7A", "FwoGZXIvYXdzEBYaDHqa0AP", "9f8e7d"]),
+    # huggingface_hub's HTTP errors quote request headers; HF_TOKEN from an env dump.
+    ("huggingface_hub.errors.HfHubHTTPError: 401 Client Error: headers={'authorization': "
+     "'Bearer hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567', 'user-agent': 'huggingface_hub/0.31'}",
+     ["hf_AbCdEfGhIjKlMnOpQrStUvWxYz01234567"]),
+    ("HF_TOKEN=hf_ZyXwVuTsRqPoNmLkJiHgFeDcBa98765432 python -m ferry", ["hf_ZyXwVuTsRqPoNmLkJiHgFeDcBa98765432"]),
+    ("Authorization: Basic YWRtaW46aHVudGVyMg==", ["YWRtaW46aHVudGVyMg=="]),
+    ("curl -H 'Authorization: Bearer sk-live-0123456789abcdef' failed", ["sk-live-0123456789abcdef"]),
+    # userinfo in an endpoint URL, and a password in a config dump.
+    ("ConnectionError: HTTPConnectionPool(host='minio', port=9000): url: http://admin:hunter2@minio:9000/models",
+     ["admin:hunter2", "hunter2"]),
+    ('{"endpoint": "http://minio:9000", "password": "p@ss w0rd"}', ["p@ss w0rd"]),
+    # A ServiceAccount token (a JWT), e.g. a worker printing its own mount.
+    ("token: eyJhbGciOiJSUzI1NiIsImtpZCI6IkRFTU8ifQ.eyJpc3MiOiJrdWJlcm5ldGVzL3NlcnZpY2VhY2NvdW50In0"
+     ".c2lnbmF0dXJlX2RlbW8",
+     ["eyJhbGciOiJSUzI1NiIsImtpZCI6IkRFTU8ifQ"]),
+    ("the secret key is wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY, check it",
+     ["wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"]),
+]
+
+
+@pytest.mark.parametrize("leak,secrets", LEAKS, ids=[f"leak{i}" for i in range(len(LEAKS))])
+def test_credentials_are_redacted_from_a_crashed_workers_log_tail(leak, secrets):
+    tail = f"Traceback (most recent call last):\n  File \"/usr/local/bin/ferry\", line 8\n{leak}\n"
+    states = [run(make_job(failed=1), [failed_pod("a1", 1, tail)]),  # a retried attempt
+              run(make_job(active=0, failed=4, conditions=[  # the last one
+                  job_condition("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")]),
+                  [failed_pod("a1", 1, f"fetch failed: {leak}")])]
+    evicted = pod(suffix="a1", phase="Failed", reason="Evicted", message=leak)  # a pod's own status message
+    states.append(run(make_job(active=0, failed=1), [evicted]))
+    for state in states:
+        assert "[REDACTED]" in state.message, state.message
+        for secret in secrets:
+            assert secret not in state.message, state.message
+
+
+@pytest.mark.parametrize("text", [
+    HUB_404,
+    "fetch failed: model-00001-of-00030.safetensors: sha256 mismatch: expected "
+    "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    "tokenizer.json: not found in hf://meta-llama/Meta-Llama-3-70B-Instruct",
+    "botocore.exceptions.NoCredentialsError: Unable to locate credentials",
+    "An error occurred (InvalidAccessKeyId) when calling the GetObject operation: The AWS Access Key Id you provided "
+    "does not exist in our records.",
+    'secret "hf-token" not found',
+])
+def test_ordinary_errors_pass_unredacted(text):
+    assert redact(text) == text
+    assert redact(redact(LEAKS[0][0])) == redact(LEAKS[0][0])  # idempotent: the marker matches nothing
+
+
 # --- 403 ----------------------------------------------------------------------------------------
 
 def status_body(message):
@@ -427,6 +662,19 @@ def test_a_forbidden_that_is_not_rbac_is_quoted():
 REAL = json.loads((Path(__file__).parent / "kubelet_v1_34_jobs.json").read_text())
 
 
+def owned(captured):
+    """The capture, trimmed before diagnosis read ownership, with the Job's uid and its pods' controller
+    reference put back from the controller-uid label the Job controller set beside them."""
+    captured = copy.deepcopy(captured)
+    job_meta = captured["job"]["metadata"]
+    for p in captured["pods"]:
+        uid = p["metadata"]["labels"]["batch.kubernetes.io/controller-uid"]
+        job_meta["uid"] = uid
+        p["metadata"]["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": job_meta["name"],
+                                             "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+    return captured
+
+
 @pytest.mark.parametrize("case,phase,reason,words", [
     ("secret", StepPhase.FAILED, "SecretNotFound", '(kubelet: secret "hf-token" not found)'),
     ("neverpull", StepPhase.FAILED, "ImageNotFound", 'image "ferry.local/nope:1" is not on node ferry-node-0'),
@@ -439,7 +687,7 @@ REAL = json.loads((Path(__file__).parent / "kubelet_v1_34_jobs.json").read_text(
     ("exit1", StepPhase.FAILED, "WorkerFailed", "(exit code 1); all 2 attempts failed"),
 ])
 def test_what_a_real_kubelet_reports(case, phase, reason, words):
-    captured = REAL["cases"][case]
+    captured = owned(REAL["cases"][case])
     at = datetime.fromisoformat(REAL["capturedAt"].replace("Z", "+00:00"))
     state = diagnose(captured["job"], captured["pods"], {}, {}, now=at)
     assert (state.phase, state.reason) == (phase, reason)
@@ -447,3 +695,24 @@ def test_what_a_real_kubelet_reports(case, phase, reason, words):
     later = diagnose(captured["job"], captured["pods"], {}, {}, now=at + diagnosis.IMAGE_PULL_GRACE)
     if case == "pull":
         assert (later.phase, later.reason) == (StepPhase.FAILED, "ImagePullFailed")
+
+
+def test_progress_is_read_from_the_jobs_own_pods_only():
+    from ferry_operator.executors.diagnosis import PROGRESS_CONDITION, reported_progress
+    from ferry_worker.progress_report import CONDITION
+
+    assert PROGRESS_CONDITION == CONDITION
+    job = {"metadata": {"name": "llama-fetch-abc", "uid": "job-uid"}}
+
+    def pod(owner_uid, message, at="2026-12-01T10:00:00Z"):
+        return {"metadata": {"name": "p", "ownerReferences": [
+                    {"kind": "Job", "controller": True, "uid": owner_uid, "name": "llama-fetch-abc"}]},
+                "status": {"conditions": [{"type": CONDITION, "status": "Unknown", "message": message,
+                                           "lastTransitionTime": at}]}}
+
+    own = pod("job-uid", '{"step": "fetch", "bytesDone": 5}')
+    planted = pod("other-uid", '{"step": "fetch", "bytesDone": 999}', at="2026-12-01T11:00:00Z")
+    assert reported_progress(job, [planted, own]) == {"step": "fetch", "bytesDone": 5}
+    assert reported_progress(job, [pod("job-uid", "not json")]) is None
+    assert reported_progress(job, [pod("job-uid", '["a list"]')]) is None
+    assert reported_progress(job, [pod("job-uid", '{"step": "' + "x" * 5000 + '"}')]) is None

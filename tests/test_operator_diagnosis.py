@@ -129,4 +129,27 @@ def test_a_watch_the_operator_may_not_make_stops_it_naming_the_permission(crd, n
         assert operator.wait(timeout=60) == 1
         log = (tmp_path / "operator.log").read_text()
         assert f"may not list pods in namespace {namespace}" in log, log[-2000:]
-        assert "Grant the chart's operator ClusterRole" in log
+        assert "the chart's operator role (charts/ferry/templates/rbac.yaml" in log, log[-2000:]
+
+
+def test_a_step_past_its_deadline_stalls_naming_the_deadline_and_the_chart_value(crd, namespace, tmp_path):
+    """The Job controller's own activeDeadlineSeconds (from the chart value, here 3s): its pod never gets
+    a node, the deadline passes, the Job fails with DeadlineExceeded, and the step stalls for good."""
+    env = {"FERRY_WORKER_ACTIVE_DEADLINE_SECONDS": "3"}
+    with operator_identity(crd, namespace, chart_operator_role(), tmp_path) as (kubeconfig, _), \
+            static_volume(crd, namespace, f"manual-{namespace}"), \
+            running_operator(crd, namespace, tmp_path / "operator.log", **{**operator_env(kubeconfig), **env}):
+        crd.apply(modelweights(namespace, f"manual-{namespace}"))
+        stalled = wait_condition(crd, namespace, "Stalled", "True", "DeadlineExceeded", timeout=90)
+        (job,) = crd.get_json("jobs", "-n", namespace)["items"]
+        assert job["spec"]["activeDeadlineSeconds"] == 3
+        # The Job controller's verdict (FailureTarget first, Failed once its pod has terminated).
+        verdict = {c["type"]: c["reason"] for c in job["status"]["conditions"] if c["status"] == "True"}
+        assert verdict.get("FailureTarget") == "DeadlineExceeded", verdict
+        assert stalled["message"].startswith(
+            f"fetch failed: Job {namespace}/{job['metadata']['name']} ran past its deadline of 3s"), stalled["message"]
+        assert "worker.activeDeadlineSeconds" in stalled["message"]
+        assert condition(crd, namespace, "Ready")["status"] == "False"
+        # Not retried by itself: the same Job would run into the same deadline.
+        assert (crd.get_json("mw", "llama", "-n", namespace)["status"].get("retry") or {}) == {}
+        assert crd.get_json("jobs", "-n", namespace)["items"][0]["metadata"]["uid"] == job["metadata"]["uid"]

@@ -4,7 +4,8 @@ kube-apiserver, and a step's result travels back in the pod's termination
 message. Here the Job pods are pinned to kwok's node, which completes them
 without running them, and the test writes the termination message the worker
 would have written — a stand-in for the node, said plainly here. The same
-path on the real node, with the image built here: tests/node/."""
+path on the real node, with the image built here: tests/node/. Only the Job's
+own pods report: a pod planted with the Job's labels is ignored."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,9 @@ import time
 import pytest
 
 from cluster_support import running_operator, wait_for
+from ferry_operator.api.validation import parse
+from ferry_operator.executors import jobs as ferry_jobs
+from ferry_operator.steps import prepare_steps
 
 pytestmark = pytest.mark.cluster
 
@@ -34,6 +38,25 @@ def k8s_operator(crd, namespace, tmp_path):
 
 def jobs(kube, ns):
     return {j["metadata"]["labels"]["ferry.dev/step"]: j for j in kube.get_json("jobs", "-n", ns)["items"]}
+
+
+def stalled(kube, ns, reason, name="llama"):
+    """The Stalled condition if it is True with `reason`."""
+    st = kube.get_json("mw", name, "-n", ns).get("status", {})
+    return next((c for c in st.get("conditions", []) if c["type"] == "Stalled" and c["status"] == "True"
+                 and c["reason"] == reason), None)
+
+
+def write_result(kube, ns, pod_name, message, phase=None):
+    """Set the worker container's termination message, as the kubelet reports what the worker wrote."""
+    pod = kube.get_json("pod", pod_name, "-n", ns)
+    statuses = pod["status"].get("containerStatuses") or [
+        {"name": "worker", "image": IMAGE, "imageID": "", "ready": False, "restartCount": 0, "state": {}}]
+    terminated = statuses[0]["state"].get("terminated") or {"exitCode": 0, "reason": "Completed"}
+    statuses[0]["state"] = {"terminated": {**terminated, "message": message}}
+    status = {"containerStatuses": statuses, **({"phase": phase} if phase else {})}
+    kube.kubectl("patch", "pod", pod_name, "-n", ns, "--subresource=status", "--type=merge",
+                 "-p", json.dumps({"status": status}))
 
 
 def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_operator):
@@ -65,7 +88,7 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert c["image"] == IMAGE and pod["serviceAccountName"] == "ferry-worker"
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
-    assert {"name": "FERRY_MODELWEIGHTS_NAME", "value": "llama"} in c["env"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}}
     assert fetch["metadata"]["ownerReferences"][0]["uid"] == mw["metadata"]["uid"]
 
@@ -76,19 +99,12 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
 
     # The shard pod completes but reports no result: never Ready without a manifest.
-    def stalled():
-        st = crd.get_json("mw", "llama", "-n", namespace).get("status", {})
-        return any(c["type"] == "Stalled" and c["status"] == "True" and c["reason"] == "ArtifactIncomplete"
-                   for c in st.get("conditions", []))
-    wait_for(stalled, "Stalled/ArtifactIncomplete", timeout=90)
+    wait_for(lambda: stalled(crd, namespace, "ResultMissing"), "Stalled/ResultMissing", timeout=90)
 
     # Now the result the worker writes to its termination log.
     (p,) = crd.get_json("pods", "-n", namespace, "-l", f"job-name={shard['metadata']['name']}")["items"]
-    statuses = p["status"]["containerStatuses"]
     result = {"manifestDigest": "sha256:" + "ab" * 32, "totalBytes": 3 << 20}
-    statuses[0]["state"]["terminated"]["message"] = json.dumps(result)
-    crd.kubectl("patch", "pod", p["metadata"]["name"], "-n", namespace, "--subresource=status", "--type=merge",
-                "-p", json.dumps({"status": {"containerStatuses": statuses}}))
+    write_result(crd, namespace, p["metadata"]["name"], json.dumps(result))
     crd.kubectl("wait", "--for=condition=Ready", "mw/llama", "-n", namespace, "--timeout=60s")
     status = crd.get_json("mw", "llama", "-n", namespace)["status"]
     assert status["artifact"]["uri"] == f"pvc://llama-weights{digest_dir.removeprefix('/weights')}/artifact"
@@ -111,3 +127,43 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     after = crd.get_json("mw", "llama", "-n", namespace)["status"]
     assert {c["type"]: c["status"] for c in after["conditions"]}["Ready"] == "True"
     assert after["artifact"] == status["artifact"]
+
+
+def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namespace, k8s_operator):
+    """Anyone who may create pods in the namespace can copy a Job's labels; only the pod the Job
+    controller made (its controller reference is the Job's uid) reports the step's result."""
+    body = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+            "metadata": {"name": "llama", "namespace": namespace},
+            "spec": {"source": {"uri": "hf://org/tiny-llama"},
+                     "storage": {"pvc": {"size": "1Gi", "storageClassName": f"manual-{namespace}"}},
+                     "format": {"type": "safetensors"}}}
+    mw = parse(body)
+    (fetch,) = prepare_steps(mw.spec)
+    job_name = ferry_jobs.job_name(mw, fetch)
+    # Planted before the Job exists, so its result is there when the Job's own pod completes.
+    crd.apply({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "planted", "namespace": namespace,
+                            "labels": {"job-name": job_name, "batch.kubernetes.io/job-name": job_name,
+                                       "ferry.dev/modelweights": "llama", "ferry.dev/step": "fetch"}},
+               "spec": {"restartPolicy": "Never", "nodeSelector": {"ferry.dev/test-node": "none"},
+                        "containers": [{"name": "worker", "image": IMAGE}]}})
+    forged = {"manifestDigest": "sha256:" + "66" * 32, "totalBytes": 1}
+    write_result(crd, namespace, "planted", json.dumps(forged), phase="Succeeded")
+    crd.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{namespace}"},
+               "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                        "storageClassName": f"manual-{namespace}", "hostPath": {"path": f"/tmp/{namespace}"}}})
+    crd.apply(body)
+
+    # kwok completes the Job's own pod, which reports nothing: the planted result is not taken.
+    missing = wait_for(lambda: stalled(crd, namespace, "ResultMissing"), "Stalled/ResultMissing", timeout=90)
+    assert f"Job {namespace}/{job_name} completed, but none of its pods reported a result" in missing["message"]
+    assert not (crd.get_json("mw", "llama", "-n", namespace)["status"].get("artifact") or {}).get("manifestDigest")
+
+    # The Job's own pod reports: that result, and only it, is recorded.
+    uid = jobs(crd, namespace)["fetch"]["metadata"]["uid"]
+    (own,) = crd.get_json("pods", "-n", namespace, "-l", f"batch.kubernetes.io/controller-uid={uid}")["items"]
+    result = {"manifestDigest": "sha256:" + "ab" * 32, "totalBytes": 3 << 20}
+    write_result(crd, namespace, own["metadata"]["name"], json.dumps(result))
+    crd.kubectl("wait", "--for=condition=Ready", "mw/llama", "-n", namespace, "--timeout=60s")
+    artifact = crd.get_json("mw", "llama", "-n", namespace)["status"]["artifact"]
+    assert (artifact["manifestDigest"], artifact["totalBytes"]) == (result["manifestDigest"], result["totalBytes"])

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+import localcluster
+from cluster_support import Kube, admission_policies
 from operator_identity import chart_operator_role, operator_identity
 from test_operator_local import wait_condition
 
@@ -28,7 +30,9 @@ def identity(crd, namespace, tmp_path):
 
 
 def start_operator(kubeconfig: Path, namespace, log: Path, **env) -> subprocess.Popen:
-    full = {**os.environ, "KUBECONFIG": str(kubeconfig), "FERRY_RECONCILE_INTERVAL": "0.5", **env}
+    full = {**os.environ, "KUBECONFIG": str(kubeconfig), "FERRY_RECONCILE_INTERVAL": "0.5",
+            "FERRY_ADMISSION_POLICIES": admission_policies(Kube(localcluster.KUBECONFIG, localcluster.kubectl_path())),
+            **env}
     with open(log, "ab") as out:
         return subprocess.Popen([str(OPERATOR), "run", "--standalone", "--namespace", namespace], env=full,
                                 stdout=out, stderr=subprocess.STDOUT)

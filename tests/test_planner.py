@@ -170,7 +170,7 @@ def test_spec_change_that_shapes_the_artifact_changes_the_step_ids():
 
 
 def test_tensorizer_is_fetch_then_tensorize_into_its_own_prefix():
-    from ferry_operator.steps import s3_artifact_uri
+    from ferry_operator.locations import s3_artifact_uri
 
     m = mw(manifest(format={"type": "tensorizer", "tensorParallelSize": 2,
                             "tensorizer": {"encryptionSecretRef": {"name": "key"}}},
@@ -182,7 +182,8 @@ def test_tensorizer_is_fetch_then_tensorize_into_its_own_prefix():
     assert tensorize.argv[tensorize.argv.index("--tensor-parallel-size") + 1] == "2"
     assert tensorize.argv[-2:] == ("--encryption-key-file", "{tensorizer_key}")
     digest = spec_digest(m.spec)
-    assert s3_artifact_uri(m.spec, "ns", "llama", digest) == f"s3://bucket/x/ns/llama/{digest}"
+    m.metadata.namespace, m.metadata.uid = "ns", "0c1f-uid"
+    assert s3_artifact_uri(m, digest) == f"s3://bucket/x/ns/llama/0c1f-uid/{digest}"
     p = plan(m, Observed())
     assert [a.step.name for a in p.actions] == ["fetch"]
 
@@ -272,18 +273,21 @@ def test_the_recorded_artifact_is_the_source_of_truth_for_its_spec_only():
 
     m = mw()
     steps = prepare_steps(m.spec)
-    assert recorded_artifact(m, steps) is None  # nothing recorded yet
+    assert recorded_artifact(m, steps, FACTS.uri) is None  # nothing recorded yet
     ready = plan(m, Observed(steps=prepared(m), artifact=FACTS))
     assert ready.status.artifact.spec_digest == steps[-1].digest
     m.status = ready.status
-    assert recorded_artifact(m, steps) == FACTS
+    assert recorded_artifact(m, steps, FACTS.uri) == FACTS
+    # A record pointing anywhere but where the executor writes it is not this object's artifact.
+    for elsewhere in ("file:///var/run/secrets/kubernetes.io", "pvc://other-team/llama/abc", "s3://x/y"):
+        assert recorded_artifact(m, steps, elsewhere) is None
     # A spec change that shapes the bytes: the record is for another artifact.
     changed = mw(with_("format.tensorParallelSize", 8))
     changed.status = ready.status
-    assert recorded_artifact(changed, prepare_steps(changed.spec)) is None
+    assert recorded_artifact(changed, prepare_steps(changed.spec), FACTS.uri) is None
     # A record without a manifest digest (an older operator's) proves nothing.
     m.status.artifact.manifest_digest = None
-    assert recorded_artifact(m, steps) is None
+    assert recorded_artifact(m, steps, FACTS.uri) is None
 
 
 def test_a_retryable_failure_is_retried_with_backoff_then_stalls():
@@ -379,3 +383,33 @@ def test_a_superseded_artifact_stays_while_a_deployment_still_serves_it():
     assert conds(p)["Ready"][0] == "False"
     assert not any(isinstance(a, RemoveArtifact) for a in p.actions)
     assert [a.spec_digest for a in p.status.previous_artifacts] == ["0" * 12]  # listed, kept
+
+
+def test_a_deployment_another_modelweights_owns_is_not_wired():
+    m = mw()
+    owned = deployment(annotations={"ferry.dev/modelweights": "other"})
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": owned},
+                         owners={"llama-70b-vllm": "other"}))
+    assert p.actions == []  # neither patched nor its ServiceAccount bound
+    assert conds(p)["Stalled"] == ("True", "DeploymentClaimed")
+    assert conds(p)["ServingUpdated"] == ("False", "DeploymentClaimed")
+    stalled = next(c for c in p.status.conditions if c.type == "Stalled")
+    assert "deployment llama-70b-vllm is wired by ModelWeights other" in stalled.message
+    # Once it is this one's (the other let it go), it is wired.
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": owned},
+                         owners={"llama-70b-vllm": "llama"}))
+    assert isinstance(p.actions[0], PatchDeployment)
+
+
+def test_a_running_steps_report_becomes_status_progress_only_if_it_is_a_valid_progress():
+    m = mw()
+    fetch = prepare_steps(m.spec)[0]
+    report = {"step": "fetch", "bytesDone": 50, "bytesTotal": 200, "bytesPerSecond": 25, "etaSeconds": 6,
+              "percent": 25, "updatedAt": "2026-12-01T10:00:00Z"}
+    p = plan(m, Observed(steps={fetch.id: StepState(StepPhase.RUNNING, progress=report)}))
+    assert p.status.progress.bytes_done == 50 and p.status.progress.percent == 25
+    # A worker parses untrusted bytes: what it reports is checked against the CRD's type.
+    for bad in ({**report, "percent": 900}, {**report, "bytesDone": -1}, {**report, "status": {"artifact": {}}},
+                {**report, "step": "shard"}, ["not", "a", "map"]):
+        p = plan(m, Observed(steps={fetch.id: StepState(StepPhase.RUNNING, progress=bad)}))
+        assert p.status.progress is None, bad

@@ -10,12 +10,12 @@ extra as runai-model-streamer[s3]==0.17.1), nothing for other releases or GPUs.
    generated checkpoint test_vllm_weights_loaded.py serves (GQA, one KV head,
    bf16, two files). The steps `prepare_steps` gives for it (`ferry fetch` to
    a staging directory, then `ferry publish` into
-   `steps.s3_artifact_uri`, the prefix per spec digest), with the placeholders
+   `locations.s3_artifact_uri`, the prefix per object and spec digest), with the placeholders
    mapped as the local executor maps them and the server's env
    (S3Server.env(): endpoint and keys as the executor passes them from
    storage.s3 and its Secret, plus region and AWS_EC2_METADATA_DISABLED).
-   Not through LocalExecutor itself: it sets FERRY_MODELWEIGHTS_NAME, so the
-   worker reports progress to a cluster, and none is started here. The ArtifactFacts are what the local executor records:
+   Not through LocalExecutor itself, which needs an operator around it. The ArtifactFacts are what the local
+   executor records:
    that prefix, and the step result's manifest digest and size (checked
    against the stored ferry-manifest.json).
 2. Wired by the operator's own planner: `planner.plan` on that spec with every
@@ -88,7 +88,8 @@ from ferry_operator.api.types import ModelWeights
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
 from ferry_operator.serving_loader import LOADER_CONTAINER, TOKEN_DIR, TOKEN_VOLUME, LoaderSettings
-from ferry_operator.steps import prepare_steps, s3_artifact_uri
+from ferry_operator.locations import s3_artifact_uri
+from ferry_operator.steps import prepare_steps
 
 from checkpoints import hf_tensor_shapes, write_checkpoint
 from s3server import S3Server
@@ -185,8 +186,8 @@ def published(tmp_path_factory: pytest.TempPathFactory):
         # tensorParallelSize does not shape a runai_streamer artifact: TP 2 would reuse these very steps.
         assert [s.id for s in prepare_steps(model_weights(s3, original, 2).spec)] == [s.id for s in steps]
         digest = steps[-1].digest
-        uri = s3_artifact_uri(mw.spec, NAMESPACE, MW_NAME, digest)
-        assert uri == f"s3://{BUCKET}/models/{NAMESPACE}/{MW_NAME}/{digest}"
+        uri = s3_artifact_uri(mw, digest)
+        assert uri == f"s3://{BUCKET}/models/{NAMESPACE}/{MW_NAME}/{mw.metadata.uid}/{digest}"
         # executors/local.py: {source} is the URI, {staging} ROOT/<ns>/<name>/<digest>/staging, {artifact} the prefix.
         mapping = {"source": mw.spec.source.uri, "staging": str(root / "local" / NAMESPACE / MW_NAME / digest /
                                                                  "staging"), "artifact": uri}

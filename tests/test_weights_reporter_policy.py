@@ -109,13 +109,18 @@ def test_a_pod_reports_on_itself_and_cannot_touch_another_pod(kube, namespace, r
     before = gate(kube, namespace, "serving-b")
     assert before is None or before.get("reason") != "Loaded"
 
-    # Its own pod's other conditions (Ready) and fields: denied.
+    # Its own pod's other conditions and fields, status and metadata alike: denied
+    # (an allowlist: the new pod equals the old one but for Ferry's own conditions;
+# changes the API server's own validation refuses, e.g. of podIPs, never reach it).
     from kubernetes.client.exceptions import ApiException
-    with pytest.raises(ApiException) as denied:
-        own._api.patch_namespaced_pod_status("serving-a", namespace,
-                                             {"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
-                                             _content_type="application/strategic-merge-patch+json")
-    assert denied.value.status == 403 and "only the ferry.dev/weights-loaded condition" in denied.value.body
+    for change in FORBIDDEN_CHANGES:
+        with pytest.raises(ApiException) as denied:
+            own._api.patch_namespaced_pod_status("serving-a", namespace, change,
+                                                 _content_type="application/strategic-merge-patch+json")
+        assert denied.value.status == 403, change
+        assert "may change only its own ferry.dev/weights-loaded or ferry.dev/progress condition" in denied.value.body
+    after = kube.get_json("pod", "serving-a", "-n", namespace)
+    assert after["status"]["phase"] == "Running" and "ferry.dev/x" not in after["metadata"].get("finalizers", [])
 
     # A token of the same account not bound to a pod: denied, so a leaked long-lived token cannot report.
     unbound = reporter(kube, "serving-a", token_dir(kube, namespace, tmp_path, None), monkeypatch)
@@ -127,6 +132,20 @@ def test_a_pod_reports_on_itself_and_cannot_touch_another_pod(kube, namespace, r
     wait_for(lambda: _denied(lambda: own.report(True, "Loaded", "again")), "the binding's removal enforced")
     with pytest.raises(PermissionError, match="needs Ferry.s weights-reporter ClusterRole"):
         own.report(True, "Loaded", "again")
+
+
+FORBIDDEN_CHANGES = [
+    {"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+    {"status": {"phase": "Failed"}},
+    {"status": {"message": "all is well", "reason": "Fine"}},
+    {"status": {"nominatedNodeName": "elsewhere"}},
+    {"metadata": {"finalizers": ["ferry.dev/x"]}},
+    {"metadata": {"labels": {"app": "stolen"}}},
+    {"metadata": {"annotations": {"ferry.dev/modelweights": "other"}}},
+    # Its own condition may change; another one in the same patch may not.
+    {"status": {"conditions": [{"type": CONDITION, "status": "True", "reason": "Loaded", "message": ""},
+                               {"type": "PodScheduled", "status": "False"}]}},
+]
 
 
 def _ok(fn) -> bool:

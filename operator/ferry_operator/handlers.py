@@ -27,6 +27,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from . import metrics
+from .admission_policies import PolicyGuard, policy_names
 from .api.types import GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus
 from .api.validation import InvalidSpec, parse
 from .events import WARNING, Event, transitions
@@ -36,6 +37,7 @@ from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, 
 from .serving import OWNER_ANNOTATION, DeploymentFacts, deployment_facts
 from .serving_loader import REPORTER_CLUSTER_ROLE, LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
+from .ownership import Wirer, owner_of
 from .wakeups import Wakeups, sleep
 from .weights_loaded import PodFacts, pod_facts
 
@@ -72,6 +74,7 @@ REPORTER_ROLE = os.environ.get("FERRY_REPORTER_CLUSTER_ROLE", REPORTER_CLUSTER_R
 class Executor(Protocol):
     def start(self, mw: ModelWeights, uid: str, step: Step) -> None: ...
     def observe(self, mw: ModelWeights, step: Step) -> StepState: ...
+    def artifact_uri(self, mw: ModelWeights, last: Step) -> str: ...
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None: ...
     def retry(self, mw: ModelWeights, step: Step) -> None: ...
     def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None: ...
@@ -80,7 +83,7 @@ class Executor(Protocol):
 def make_executor() -> Executor:
     kind = os.environ.get("FERRY_EXECUTOR", "local")
     if kind == "kubernetes":
-        from .executors.jobs import WorkerSettings
+        from .executors.jobs import WorkerSettings, parse_deadline
         from .executors.kubernetes import KubernetesExecutor
 
         return KubernetesExecutor(WorkerSettings(
@@ -92,6 +95,9 @@ def make_executor() -> Executor:
             tolerations=json.loads(os.environ.get("FERRY_WORKER_TOLERATIONS", "[]")),
             tensorize_image=os.environ.get("FERRY_TENSORIZE_IMAGE", ""),
             progress_interval=os.environ.get("FERRY_WORKER_PROGRESS_INTERVAL", ""),
+            # "" or unset: derived per step from the claim's size (jobs.prepare_deadline).
+            active_deadline_seconds=parse_deadline(os.environ.get("FERRY_WORKER_ACTIVE_DEADLINE_SECONDS", "")),
+            allow_instance_credentials=os.environ.get("FERRY_WORKER_ALLOW_INSTANCE_CREDENTIALS", "").lower() == "true",
         ))
     if kind == "local":
         from .executors.local import LocalExecutor
@@ -99,7 +105,6 @@ def make_executor() -> Executor:
         return LocalExecutor(
             root=Path(os.environ.get("FERRY_LOCAL_ROOT", ".ferry/artifacts")).resolve(),
             ferry_bin=shutil.which("ferry") or str(Path(sys.executable).with_name("ferry")),
-            kubeconfig=os.environ.get("KUBECONFIG"),
         )
     raise SystemExit(f"FERRY_EXECUTOR={kind!r}: use local or kubernetes")
 
@@ -108,6 +113,7 @@ EXECUTOR: Executor | None = None
 APPS: Any = None  # kubernetes.client.AppsV1Api
 RBAC: Any = None  # kubernetes.client.RbacAuthorizationV1Api
 CUSTOM: Any = None  # kubernetes.client.CustomObjectsApi
+POLICIES: PolicyGuard | None = None  # Ferry's admission policies, enforced (checked before acting)
 WAKEUPS = Wakeups()
 # Reconciles are sync (the API client, forks): they run here, not on the event loop.
 POOL: ThreadPoolExecutor | None = None
@@ -117,7 +123,7 @@ _reporters: set[tuple[str, str]] = set()  # (namespace, ServiceAccount) bound to
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global EXECUTOR, APPS, RBAC, CUSTOM, POOL, WRITERS
+    global EXECUTOR, APPS, RBAC, CUSTOM, POOL, WRITERS, POLICIES
     import kubernetes
 
     try:
@@ -133,6 +139,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     APPS = kubernetes.client.AppsV1Api()
     RBAC = kubernetes.client.RbacAuthorizationV1Api()
     CUSTOM = kubernetes.client.CustomObjectsApi()
+    POLICIES = PolicyGuard(kubernetes.client.AdmissionregistrationV1Api(), policy_names())
     EXECUTOR = make_executor()
     if hasattr(EXECUTOR, "on_exit"):
         EXECUTOR.on_exit = WAKEUPS.wake_threadsafe  # a local worker's exit wakes its ModelWeights
@@ -155,6 +162,13 @@ async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> d
     """Deployments in the watched namespaces, fed by a watch: reading one costs
     the API server nothing, so an idle Ready ModelWeights costs it nothing."""
     return {(namespace, name): deployment_facts(body)}
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+async def wirings(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[tuple[str, str], Wirer]:
+    """Which ModelWeights list which Deployments: who owns one that several name."""
+    refs = (spec.get("serving") or {}).get("deployments") or []
+    return {(namespace, r["name"]): Wirer(meta.get("creationTimestamp") or "", name) for r in refs if r.get("name")}
 
 
 @kopf.index("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
@@ -200,6 +214,13 @@ async def serving_pod_changed(namespace: str, annotations: Any, **_: Any) -> Non
     WAKEUPS.wake((namespace, annotations[OWNER_ANNOTATION]))
 
 
+@kopf.on.event("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies")
+@kopf.on.event("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings")
+async def admission_policy_changed(**_: Any) -> None:
+    if POLICIES is not None:
+        POLICIES.invalidate()  # the next action checks them again
+
+
 @kopf.on.event("apps", "v1", "deployments")
 async def deployment_changed(namespace: str, name: str, **_: Any) -> None:
     WAKEUPS.wake_wirers((namespace, name))
@@ -238,7 +259,7 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     """The status fields the operator owns, as a merge patch; empty if nothing changed."""
     new = after.model_dump(by_alias=True, mode="json", exclude_none=True)
     patch: dict[str, Any] = {}
-    for key in ("observedGeneration", "phase", "conditions", "artifact", "previousArtifacts", "retry",
+    for key in ("observedGeneration", "phase", "conditions", "progress", "artifact", "previousArtifacts", "retry",
                 "lastHandledRequestedAt", "loaded"):
         if key in new and new[key] != before.get(key):
             patch[key] = new[key]
@@ -282,7 +303,7 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
     key = (namespace, name)
     wake = WAKEUPS.register(key)
     loop = asyncio.get_running_loop()
-    indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods")}
+    indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods", "wirings")}
     patched: dict[str, Any] | None = None
     failures = 0
     try:
@@ -324,7 +345,7 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
             EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"])
         result, patch, delay = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
-                                                     indexes.get("serving_pods"))
+                                                     indexes.get("serving_pods"), indexes.get("wirings"))
         wired = [d.get("name") for d in ((body.get("spec") or {}).get("serving") or {}).get("deployments") or []]
         WAKEUPS.record((namespace, name), _inputs(body), [w for w in wired if w])
     finally:
@@ -352,7 +373,8 @@ def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str,
 
 
 def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
-                          deployment_index: Any, pod_index: Any = None) -> tuple[str, dict[str, Any], float]:
+                          deployment_index: Any, pod_index: Any = None,
+                          wiring_index: Any = None) -> tuple[str, dict[str, Any], float]:
     """(result for the metrics, the status merge patch, seconds until the next look)."""
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
@@ -367,7 +389,8 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
     actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
     result = "ok"
     try:
-        status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index)
+        status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index,
+                                           wiring_index)
         delay = _next_look(requeue_after, bool(actions))
     except ApiException as exc:
         if exc.status != 403:  # logged and retried by the reconciler
@@ -380,6 +403,11 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
         if not any(c.get("type") == "Stalled" and c.get("message") == message for c in previous):
             log.warning("%s/%s: %s", namespace, name, message)
         status, delay = blocked(mw.status, mw.metadata.generation or 0, FORBIDDEN, message), RECONCILE_INTERVAL
+    except PoliciesNotEnforced as exc:
+        result = "forbidden"
+        log.warning("%s/%s: %s", namespace, name, exc)
+        status, delay = blocked(mw.status, mw.metadata.generation or 0, "AdmissionPolicyMissing", str(exc)), \
+            RECONCILE_INTERVAL
     _report(body, uid, mw, transitions(mw.status, status, actions), status, steps)
     return result, _status_patch(raw_status, status), delay
 
@@ -407,24 +435,27 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
-               deployment_index: Any = None, pod_index: Any = None) -> tuple[ModelWeightsStatus, float | None]:
+               deployment_index: Any = None, pod_index: Any = None,
+               wiring_index: Any = None) -> tuple[ModelWeightsStatus, float | None]:
     """Observe, plan, act; the status the planner computed and when to look
     again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
     refs = mw.spec.serving.deployments if mw.spec.serving else []
-    recorded = recorded_artifact(mw, steps)
+    recorded = recorded_artifact(mw, steps, EXECUTOR.artifact_uri(mw, steps[-1]) if steps else None)
     if recorded is not None:
         # The status is the source of truth once it records the artifact: the
         # executor is not asked again (its Jobs may have expired).
         step_states = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
     else:
         step_states = {s.id: EXECUTOR.observe(mw, s) for s in steps}
+    deployments = {r.name: read_deployment(namespace, r.name, deployment_index) for r in refs}
     observed = Observed(
         steps=step_states,
         artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
-        deployments={r.name: read_deployment(namespace, r.name, deployment_index) for r in refs},
+        deployments=deployments,
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
         pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
+        owners=deployment_owners(mw, deployments, wiring_index),
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
     for step in steps:
@@ -435,6 +466,9 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         finished = getattr(EXECUTOR, "finished", None)
         if finished is not None:
             finished(mw, steps)
+    problem = POLICIES.problem() if POLICIES is not None and result.actions else None
+    if problem:
+        raise PoliciesNotEnforced(problem)  # fail closed: no Job, no patch, no binding
     for action in result.actions:
         if isinstance(action, StartStep):
             log.info("%s/%s: starting step %s", namespace, name, action.step.id)
@@ -454,6 +488,25 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
                                              _content_type="application/strategic-merge-patch+json")
         done.append(action)
     return result.status, result.requeue_after
+
+
+class PoliciesNotEnforced(Exception):
+    """Ferry's admission policies are missing or not enforced: the operator does nothing."""
+
+
+def deployment_owners(mw: ModelWeights, deployments: dict[str, DeploymentFacts | None],
+                      wiring_index: Any) -> dict[str, str]:
+    """Who owns each Deployment this ModelWeights names (itself included: the index may lag its own creation)."""
+    me = Wirer((mw.metadata.model_extra or {}).get("creationTimestamp") or "", mw.metadata.name or "")
+    owners = {}
+    for name, facts in deployments.items():
+        if facts is None:
+            continue
+        listed = list(wiring_index.get((mw.metadata.namespace, name), [])) if wiring_index is not None else []
+        owner = owner_of(facts.template_annotations.get(OWNER_ANNOTATION), [me, *listed])
+        if owner is not None:
+            owners[name] = owner
+    return owners
 
 
 def ensure_reporter(namespace: str, service_account: str) -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
+from typing import Any
+
+from pydantic import ValidationError
 
 from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
-                        StepRetry)
+                        Progress, StepRetry)
 from .conditions import get_condition, now, phase_of, set_condition
 from .serving import DeploymentFacts, ServingError, deployment_patch, loader_applies
 from .serving_loader import LoaderSettings
@@ -38,6 +41,9 @@ class StepState:
     # A FAILED step that may succeed if run again (a crash, a network error);
     # not one that rejected its input or waits on a fix (a missing Secret).
     retryable: bool = False
+    # A RUNNING step's last progress report, as its worker sent it (untrusted:
+    # a worker parses untrusted bytes); validated before it reaches the status.
+    progress: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class Observed:
     deployments: dict[str, DeploymentFacts | None] = field(default_factory=dict)  # None: not found
     requested_at: str | None = None  # the ferry.dev/requested-at annotation
     pods: list[PodFacts] = field(default_factory=list)  # serving pods wired for this ModelWeights
+    # Deployment name -> the ModelWeights that owns it (ownership.owner_of), for those several name.
+    owners: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,13 +114,30 @@ class Plan:
     requeue_after: float | None
 
 
-def recorded_artifact(mw: ModelWeights, steps: list[Step]) -> ArtifactFacts | None:
+def recorded_artifact(mw: ModelWeights, steps: list[Step], expected_uri: str | None) -> ArtifactFacts | None:
     """The artifact the status already records for this spec, if any: then every
-    step is done, and the Jobs, pods or worker state that said so may be gone."""
+    step is done, and the Jobs, pods or worker state that said so may be gone.
+    Only where the executor itself writes this spec's artifact (`expected_uri`):
+    a record pointing anywhere else (a status patched by hand or by a forged
+    report) is not this object's artifact, and the steps are observed afresh."""
     art = mw.status.artifact if mw.status else None
     if not steps or art is None or art.spec_digest != steps[-1].digest or not art.manifest_digest:
         return None
+    if art.uri != expected_uri:
+        return None
     return ArtifactFacts(uri=art.uri, total_bytes=art.total_bytes, manifest_digest=art.manifest_digest)
+
+
+def reported_progress(report: dict[str, Any] | None, step: str) -> Progress | None:
+    """A worker's progress report as the CRD's Progress, or None if it is not one
+    (or names another step): the operator writes the status, the worker only reports."""
+    if not isinstance(report, dict):
+        return None
+    try:
+        progress = Progress.model_validate(report)
+    except ValidationError:
+        return None
+    return progress if progress.step == step else None
 
 
 def human_bytes(n: int) -> str:
@@ -140,13 +165,20 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
         nonlocal conditions
         conditions = set_condition(conditions, t, value, reason, message, generation, at)
 
+    def stalled(reason: str, message: str, step: ConditionType | None = None) -> Plan:
+        """Waiting will not help: Stalled, neither Ready nor Reconciling (and the step's condition False)."""
+        if step is not None:
+            cond(step, False, reason, message)
+        cond(ConditionType.STALLED, True, reason, message)
+        cond(ConditionType.RECONCILING, False, reason, message)
+        cond(ConditionType.READY, False, reason, message)
+        return _finish(status, conditions, generation, facts, [], None)
+
+    facts: Artifact | None = None
     try:
         steps = prepare_steps(mw.spec)
     except UnsupportedSpec as exc:
-        cond(ConditionType.STALLED, True, "UnsupportedSpec", str(exc))
-        cond(ConditionType.RECONCILING, False, "UnsupportedSpec", str(exc))
-        cond(ConditionType.READY, False, "UnsupportedSpec", str(exc))
-        return _finish(status, conditions, generation, None, [], None)
+        return stalled("UnsupportedSpec", str(exc))
 
     def clear_stalled() -> None:
         # A Stalled left by an earlier failure or generation ends once work moves again.
@@ -209,6 +241,8 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
 
     if running is not None:
         clear_stalled()
+        earlier = status.progress if status.progress is not None and status.progress.step == running else None
+        status.progress = reported_progress(waiting_state.progress, running) or earlier
         message = f"step {running} {'starting' if actions else 'running'}"
         if waiting_state.message:
             # Still in progress, but held up by something a human may want to see
@@ -253,14 +287,15 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
         if current is None:
             waiting.append(f"deployment {ref.name} not found")
             continue
+        owner = observed.owners.get(ref.name, mw.metadata.name)
+        if owner != mw.metadata.name:
+            message = (f"deployment {ref.name} is wired by ModelWeights {owner}; remove it from {owner}'s "
+                       f"serving.deployments (or delete {owner}) and Ferry wires it for {mw.metadata.name}")
+            return stalled("DeploymentClaimed", message, ConditionType.SERVING_UPDATED)
         try:
             patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current, loader)
         except ServingError as exc:
-            cond(ConditionType.SERVING_UPDATED, False, "ServingError", str(exc))
-            cond(ConditionType.STALLED, True, "ServingError", str(exc))
-            cond(ConditionType.RECONCILING, False, "ServingError", str(exc))
-            cond(ConditionType.READY, False, "ServingError", str(exc))
-            return _finish(status, conditions, generation, facts, [], None)
+            return stalled("ServingError", str(exc), ConditionType.SERVING_UPDATED)
         if patch is not None:
             actions.append(PatchDeployment(ref.name, patch, current.service_account if gated else None))
             waiting.append(f"deployment {ref.name} patched")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
-from .api.types import Artifact, FormatType, ModelWeights, ModelWeightsSpec, S3Storage, SecretRef
+from .api.types import FormatType, ModelWeightsSpec, S3Storage, SecretRef
 
 
 class UnsupportedSpec(Exception):
@@ -62,30 +62,6 @@ def fetch_argv(spec: ModelWeightsSpec, output: str) -> tuple[str, ...]:
     for p in spec.source.ignore_patterns:
         argv += ["--ignore-pattern", p]
     return tuple(argv)
-
-
-def s3_artifact_uri(spec: ModelWeightsSpec, namespace: str, name: str, digest: str) -> str | None:
-    """Where an object-store artifact goes (tensorizer; runai_streamer published
-    to storage.s3): a prefix of its own per ModelWeights and spec digest, so
-    deletion removes exactly what Ferry wrote. None: the artifact is on a claim."""
-    s3 = spec.storage.s3 if spec.storage else None
-    if s3 is None or spec.format.type not in (FormatType.TENSORIZER.value, FormatType.RUNAI_STREAMER.value):
-        return None
-    return f"{s3.uri.rstrip('/')}/{namespace}/{name}/{digest}"
-
-
-def is_ferry_s3_artifact(mw: ModelWeights, artifact: Artifact) -> bool:
-    """An S3 prefix Ferry wrote itself (its own per-digest prefix), never a user's bucket path."""
-    return artifact.uri.startswith("s3://") and artifact.uri == s3_artifact_uri(
-        mw.spec, mw.metadata.namespace or "", mw.metadata.name or "", artifact.spec_digest or "")
-
-
-def ferry_s3_artifacts(mw: ModelWeights) -> list[Artifact]:
-    """The recorded artifacts (current and previous) that are S3 prefixes Ferry wrote."""
-    status = mw.status
-    recorded = ([status.artifact] if status and status.artifact else []) + (list(status.previous_artifacts)
-                                                                           if status else [])
-    return [a for a in recorded if is_ferry_s3_artifact(mw, a)]
 
 
 def s3_store_env(s3: S3Storage | None, secret: SecretRef | None) -> list[dict]:

@@ -39,7 +39,8 @@ class Wakeups:
             del self._events[key]
         with self._lock:
             self._inputs.pop(key, None)
-            self._rewire(key, set())
+            released = self._rewire(key, set())
+        self._wake_soon(released)
 
     def wake(self, key: Key) -> None:
         event = self._events.get(key)
@@ -54,21 +55,32 @@ class Wakeups:
         """What a reconcile just saw: its own inputs, and the Deployments it wires."""
         with self._lock:
             self._inputs[key] = inputs
-            self._rewire(key, {(key[0], name) for name in deployments})
+            released = self._rewire(key, {(key[0], name) for name in deployments})
+        self._wake_soon(released)
 
-    def _rewire(self, key: Key, deployments: set[Key]) -> None:
+    def _wake_soon(self, keys: set[Key]) -> None:
+        """Thread-safe: from the loop or a reconcile thread."""
+        if keys and self._loop is not None and not self._loop.is_closed():
+            for key in keys:
+                self._loop.call_soon_threadsafe(self.wake, key)
+
+    def _rewire(self, key: Key, deployments: set[Key]) -> set[Key]:
         """Under the lock: `key` now wires exactly `deployments` (one reconcile's cost stays
-        proportional to its own Deployments, not to every object's)."""
+        proportional to its own Deployments, not to every object's). Returns the other
+        ModelWeights still naming a Deployment `key` let go: one may own it now."""
         old = self._wires.pop(key, set())
+        released: set[Key] = set()
         for deployment in old - deployments:
             owners = self._wirers[deployment]
             owners.discard(key)
+            released |= owners
             if not owners:
                 del self._wirers[deployment]
         for deployment in deployments - old:
             self._wirers.setdefault(deployment, set()).add(key)
         if deployments:
             self._wires[key] = deployments
+        return released
 
     def inputs_changed(self, key: Key, inputs: Hashable) -> bool:
         with self._lock:

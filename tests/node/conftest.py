@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "tests" / "node"))
 
 import localnode  # noqa: E402
 from cluster_support import Kube  # noqa: E402
-from node_support import NAMESPACE, install_chart, uninstall_chart  # noqa: E402
+from node_support import NAMESPACE, cluster_write_grants, install_chart, uninstall_chart  # noqa: E402
 from s3server import S3Server  # noqa: E402
 from checkpoints import LLAMA3, write_checkpoint  # noqa: E402
 
@@ -49,6 +49,14 @@ def chart_operator(node: Kube, images) -> dict[str, str]:
     # Not "ferry"/"ferry-system": tests/test_chart.py installs that one.
     release, namespace = "ferry-node", "ferry-node-system"
     install_chart(node, release, namespace, NAMESPACE, images["ferry"]["ref"])
+    # The whole node e2e runs under the namespaced install: write verbs in Roles of the watched namespace only.
+    writes = cluster_write_grants(node, release, namespace)
+    assert not writes, f"the namespaced install grants write verbs cluster-wide: {writes}"
+    operator = f"system:serviceaccount:{namespace}:{release}-operator"
+    for ns in ("kube-system", "default", namespace):
+        assert node.kubectl("auth", "can-i", "create", "jobs.batch", "-n", ns, "--as", operator,
+                            check=False).stdout.strip() == "no", f"the operator may create Jobs in {ns}"
+    # "role": the operator's Role in the watched namespace (the namespaced grants; no operator ClusterRole holds them).
     yield {"release": release, "namespace": namespace, "watch": NAMESPACE, "image": images["ferry"]["ref"],
-           "service_account": f"{release}-operator", "cluster_role": f"{release}-operator"}
+           "service_account": f"{release}-operator", "role": f"{release}-operator"}
     uninstall_chart(node, release, namespace, NAMESPACE)

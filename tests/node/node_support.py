@@ -61,6 +61,25 @@ def install_chart(kube: Kube, release: str, namespace: str, watch: str, image_re
         raise AssertionError(f"helm install {release} failed:\n{proc.stderr}\n{pods}\n{describe}")
 
 
+def cluster_write_grants(kube: Kube, release: str, namespace: str) -> list[str]:
+    """Every ClusterRoleBinding of the release, or to one of its ServiceAccounts, whose ClusterRole grants a verb
+    beyond get/list/watch: a namespaced install must have none (its write verbs live in Roles)."""
+    roles = {r["metadata"]["name"]: r for r in kube.get_json("clusterroles")["items"]}
+    found = []
+    for binding in kube.get_json("clusterrolebindings")["items"]:
+        ours = binding["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == release
+        to_ours = any(s.get("kind") == "ServiceAccount" and s.get("namespace") == namespace
+                      for s in binding.get("subjects") or [])
+        if not (ours or to_ours):
+            continue
+        rules = roles.get(binding["roleRef"]["name"], {}).get("rules") or []
+        writes = sorted({v for rule in rules for v in rule.get("verbs", [])} - {"get", "list", "watch"})
+        if writes:
+            found.append(f"ClusterRoleBinding {binding['metadata']['name']} -> ClusterRole "
+                         f"{binding['roleRef']['name']}: {', '.join(writes)}")
+    return found
+
+
 def uninstall_chart(kube: Kube, release: str, namespace: str, watch: str) -> None:
     # The operator must still run to let its ModelWeights go (kopf's finalizer).
     kube.kubectl("delete", "mw", "--all", "-n", watch, "--timeout=90s", check=False, timeout=120)

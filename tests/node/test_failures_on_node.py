@@ -73,10 +73,10 @@ def test_worker_image_missing_on_the_node(node, operator_with_missing_worker_ima
 
 
 def test_operator_without_a_permission_says_which(node, chart_operator, node_s3, checkpoint):
-    """The chart's ClusterRole is what the running operator has: take away
-    `create` on Jobs and the status says so; give it back and it converges."""
-    role_name = chart_operator["cluster_role"]
-    role = node.get_json("clusterrole", role_name)
+    """The chart's Role in the watched namespace (a namespaced install) is what
+    the running operator has: take away `create` on Jobs and the status says
+    so; give it back and it converges."""
+    role = node.get_json("role", chart_operator["role"], "-n", NAMESPACE)
     original = json.loads(json.dumps(role))
     for rule in role["rules"]:
         if rule.get("resources") == ["jobs"]:

@@ -56,9 +56,16 @@ def test_nothing_masquerades_or_forwards_pod_traffic():
     # endpoint (which lives on the bridge); the CNI plugin adds none (ipMasq false).
     assert all("KUBE-POSTROUTING" in line for line in masquerades), masquerades
     assert not any(localnode.POD_CIDR in line for line in masquerades)
-    rules = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True, check=True).stdout
-    assert rules.splitlines()[1] == f"-A FORWARD -j {localnode.GUARD_CHAINS['FORWARD']}"
-    guard = subprocess.run(["iptables", "-S", localnode.GUARD_CHAINS["FORWARD"]], capture_output=True,
+    # The guard is the first rule of the first table forwarded packets traverse
+    # (mangle before filter), where kube-proxy, which puts its accepting rules
+    # at the top of filter's FORWARD whenever it resyncs, never writes.
+    mangle = ["iptables", "-t", localnode.GUARD_TABLE]
+    rules = subprocess.run([*mangle, "-S", "FORWARD"], capture_output=True, text=True, check=True).stdout
+    assert rules.splitlines()[1] == f"-A FORWARD -j {localnode.GUARD_CHAINS['FORWARD']}", rules
+    for table in ("raw", "mangle"):  # nothing accepts before it
+        dump = subprocess.run(["iptables-save", "-t", table], capture_output=True, text=True, check=True).stdout
+        assert not [line for line in dump.splitlines() if "-j ACCEPT" in line], dump
+    guard = subprocess.run([*mangle, "-S", localnode.GUARD_CHAINS["FORWARD"]], capture_output=True,
                            text=True, check=True).stdout
     assert f"-A FERRY-FORWARD -s {localnode.POD_CIDR} -j DROP" in guard
     # The bridge and its address are the harness's own: the CNI plugin is not

@@ -249,3 +249,80 @@ def test_small_parts_reassemble_exactly(tmp_path: Path) -> None:
     local_fetch(src, out, options=TransferOptions(concurrency=4, part_size=4096))
     for path in fetched(out):
         assert (out / path).read_bytes() == repo[path]
+
+
+# --- symlinks: a source (a pvc:// claim its user fills) never reaches out of itself ----------------
+
+def test_a_symlink_to_etc_passwd_is_refused(tmp_path: Path) -> None:
+    src, out = write_tree(tmp_path / "src", llama3_like()), tmp_path / "out"
+    (src / "notes.txt").symlink_to("/etc/passwd")  # *.txt at the top level is fetched
+    result = run_ferry("fetch", "--source", f"file://{src}", "--output", str(out))
+    assert result.returncode == 2  # bad input: retrying cannot help
+    assert (f"file://{src}: notes.txt is a symlink to /etc/passwd (/etc/passwd), outside the source {src}; "
+            "Ferry follows no symlink out of a source") in result.stderr
+    assert not (out / MANIFEST_NAME).exists() and not (out / "notes.txt").exists()
+
+
+def test_a_symlink_to_a_sibling_directory_is_refused(tmp_path: Path) -> None:
+    src = write_tree(tmp_path / "claim" / "model", llama3_like())
+    write_tree(tmp_path / "claim" / "other-team", {"secret.json": b'{"token": "x"}'})
+    (src / "extra").symlink_to("../other-team", target_is_directory=True)
+    with pytest.raises(SourceError, match=r"extra is a symlink to \.\./other-team \(.*/claim/other-team\), "
+                                          r"outside the source .*/claim/model"):
+        LocalSource(src, f"file://{src}").list_files()
+
+
+def test_a_symlink_out_of_a_pvc_source_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    claim = write_tree(tmp_path / "pvcs" / "team-a" / "llama", llama3_like())
+    (claim / "tokenizer.model").symlink_to("/etc/passwd")
+    monkeypatch.setenv("FERRY_PVC_ROOT", str(tmp_path / "pvcs"))
+    with pytest.raises(SourceError, match="pvc://team-a/llama: tokenizer.model is a symlink to /etc/passwd"):
+        fetch(FetchRequest(source="pvc://team-a/llama", output=tmp_path / "out"))
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_symlinks_inside_the_source_are_followed(tmp_path: Path) -> None:
+    """A Hub-cache-like tree: names link to blobs kept in the same directory."""
+    repo = llama3_like()
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_tree(src / "blobs", {f"b{i}": data for i, data in enumerate(repo.values())})
+    for i, name in enumerate(repo):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).symlink_to(src / "blobs" / f"b{i}")
+    local_fetch(src, out, ignore_patterns=["blobs/"])
+    assert {p: repo[p] for p in fetched(out)} == {p: d for p, d in repo.items() if p in fetched(out)}
+    assert "model-00001-of-00002.safetensors" in fetched(out)
+
+
+def test_a_source_reached_through_a_symlink_is_refused(tmp_path: Path) -> None:
+    real = write_tree(tmp_path / "real", llama3_like())
+    (tmp_path / "alias").symlink_to(real, target_is_directory=True)
+    with pytest.raises(SourceError, match=f"{tmp_path}/alias resolves to {real} through a symlink"):
+        local_fetch(tmp_path / "alias", tmp_path / "out")
+
+
+def test_a_file_swapped_for_a_symlink_after_listing_is_not_followed(tmp_path: Path) -> None:
+    src, out = write_tree(tmp_path / "src", llama3_like()), tmp_path / "out"
+    source = LocalSource(src, f"file://{src}")
+    listing = source.list_files()
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to("/etc/passwd")
+    with pytest.raises(SourceError, match="tokenizer.json was replaced by a symlink since it was listed"):
+        fetch_listed(FetchRequest(source=source.uri, output=out), source, listing)
+    assert not (out / MANIFEST_NAME).exists() and not (out / "tokenizer.json").exists()
+
+
+def test_a_file_replaced_by_another_after_listing_is_not_read(tmp_path: Path) -> None:
+    src, out = write_tree(tmp_path / "src", llama3_like()), tmp_path / "out"
+    source = LocalSource(src, f"file://{src}")
+    listing = source.list_files()
+    replacement = tmp_path / "replacement"
+    replacement.write_bytes((src / "tokenizer.json").read_bytes())
+    replacement.replace(src / "tokenizer.json")  # same name, same size, another inode
+    with pytest.raises(SourceError, match="tokenizer.json was replaced since it was listed"):
+        fetch_listed(FetchRequest(source=source.uri, output=out), source, listing)
+
+
+def test_file_uris_with_dot_dot_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="without '..'"):
+        local_fetch(tmp_path / "src" / ".." / "etc", tmp_path / "out")

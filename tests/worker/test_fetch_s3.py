@@ -21,7 +21,7 @@ from ferry_worker.fetch.run import FetchRequest, fetch, fetch_listed
 from ferry_worker.manifest import MANIFEST_NAME, partial_name, read_manifest, verify
 from ferry_worker.paths import UnsafePathError
 from ferry_worker.sources import SourceError
-from ferry_worker.sources.s3 import S3Source
+from ferry_worker.sources.s3 import S3Source, s3_client
 
 MiB = 1 << 20
 
@@ -62,7 +62,8 @@ def test_content_check_uses_what_the_store_advertises(s3_server, s3_env, bucket:
     client.put_object(Bucket=bucket, Key="m/crc.bin", Body=data)  # botocore's default: CRC32
     client.put_object(Bucket=bucket, Key="m/crc64.bin", Body=data, ChecksumAlgorithm="CRC64NVME")
     s3_server.client(request_checksum_calculation="when_required").put_object(Bucket=bucket, Key="m/md5.bin", Body=data)
-    files = {f.path: f for f in S3Source.from_uri(f"s3://{bucket}/m", 4).list_files()}
+    source = S3Source.from_uri(f"s3://{bucket}/m", 4)
+    files = {f.path: source.describe(f) for f in source.list_files()}
     assert (files["sha.bin"].sha256, files["sha.bin"].digests) == (hashlib.sha256(data).hexdigest(), {})
     assert files["crc.bin"].digests == {"crc32": f"{zlib.crc32(data):08x}"}
     assert files["crc64.bin"].digests == {"crc64nvme": f"{checksums.crc64nvme(data):016x}"}
@@ -71,6 +72,35 @@ def test_content_check_uses_what_the_store_advertises(s3_server, s3_env, bucket:
     out = tmp_path / "out"
     fetch(FetchRequest(source=f"s3://{bucket}/m", output=out, allow_patterns=["*.bin"]))
     assert {f.sha256 for f in read_manifest(out).files} == {hashlib.sha256(data).hexdigest()}
+
+
+def counted_source(uri: str) -> tuple[S3Source, list[str]]:
+    """An S3Source whose client records the name of every S3 operation it sends."""
+    client = s3_client(4)
+    operations: list[str] = []
+    client.meta.events.register("before-call.s3", lambda model, **_: operations.append(model.name))
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    return S3Source(bucket, prefix.rstrip("/") + "/", uri, client), operations
+
+
+def test_listing_sends_no_head_and_only_fetched_files_are_headed(s3_server, s3_env, bucket: str,
+                                                                  tmp_path: Path) -> None:
+    repo = llama3_like()
+    # Training leftovers the selection drops: a hostile prefix could hold millions.
+    leftovers = {f"checkpoint-{i}/optimizer.pt": b"x" for i in range(40)}
+    upload_tree(s3_server.client(), bucket, "m", {**repo, **leftovers})
+    source, operations = counted_source(f"s3://{bucket}/m")
+    listing = source.list_files()
+    assert operations == ["ListObjectsV2"]
+    assert len(listing) == len(repo) + len(leftovers)
+    assert {f.path: (f.size, f.version) for f in listing}["config.json"][0] == len(repo["config.json"])
+    assert all(f.sha256 is None and not f.digests for f in listing)  # content checks come with the transfer
+
+    fetch_listed(FetchRequest(source=source.uri, output=tmp_path / "out"), source, listing)
+    fetched = read_manifest(tmp_path / "out").files
+    assert len(fetched) == 8  # of the repository's 14 files (no original/, no .bin copies)
+    assert operations.count("HeadObject") == len(fetched)  # one per file transferred, none for the rest
+    assert operations.count("ListObjectsV2") == 1
 
 
 def test_object_overwritten_after_listing_is_refused(s3_server, s3_env, bucket: str, tmp_path: Path) -> None:

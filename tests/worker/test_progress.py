@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 import time
@@ -9,7 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from ferry_worker.kube_status import KubeStatusSink, progress_status
+from ferry_worker.progress_report import IntervalSink, ProgressFile, progress_status
 from ferry_worker.progress import LogLines, Progress, Snapshot, TerminalBar
 from ferry_worker.sinks import default_sinks
 
@@ -149,18 +150,18 @@ def test_status_body_matches_the_crd() -> None:
 
 
 class PatchedStatus:
-    """The ModelWeights status as the sink patches it: bytes done per patch."""
+    """What the sink reported: bytes done per report."""
 
     def __init__(self) -> None:
         self.patches: list[int] = []
 
-    def patch_progress(self, snap: Snapshot) -> None:
+    def write(self, snap: Snapshot) -> None:
         self.patches.append(snap.bytes_done)
 
 
-def test_kube_status_sink_patches_at_most_every_interval() -> None:
+def test_interval_sink_patches_at_most_every_interval() -> None:
     clock, status = Clock(), PatchedStatus()
-    sink = KubeStatusSink(lambda: status, interval_s=5, clock=clock)  # type: ignore[arg-type,return-value]
+    sink = IntervalSink(lambda: status, interval_s=5, clock=clock)  # type: ignore[arg-type,return-value]
     for second in range(12):
         sink.publish(snapshot(second, 100))
         clock.now += 1
@@ -168,7 +169,7 @@ def test_kube_status_sink_patches_at_most_every_interval() -> None:
     assert status.patches == [5, 10, 100]
 
 
-def test_kube_status_sink_stays_silent_for_a_step_shorter_than_its_interval() -> None:
+def test_interval_sink_stays_silent_for_a_step_shorter_than_its_interval() -> None:
     connected: list[bool] = []
 
     def connect() -> object:
@@ -176,7 +177,7 @@ def test_kube_status_sink_stays_silent_for_a_step_shorter_than_its_interval() ->
         raise AssertionError("a step that ends within its first interval must not connect")
 
     clock = Clock()
-    sink = KubeStatusSink(connect, interval_s=5, clock=clock)  # type: ignore[arg-type]
+    sink = IntervalSink(connect, interval_s=5, clock=clock)  # type: ignore[arg-type]
     for second in range(4):
         sink.publish(snapshot(second, 100))
         clock.now += 1
@@ -185,25 +186,26 @@ def test_kube_status_sink_stays_silent_for_a_step_shorter_than_its_interval() ->
 
 
 def test_default_sinks_follow_the_terminal_and_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.delenv("FERRY_MODELWEIGHTS_NAME", raising=False)
-    [only] = default_sinks(io.StringIO())  # not a TTY
+    for var in ("FERRY_PROGRESS_FILE", "POD_NAME", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    [only] = default_sinks(io.StringIO())  # not a TTY, not for the operator
     assert isinstance(only, LogLines)
 
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
-    )
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.setenv("FERRY_MODELWEIGHTS_NAME", "llama")
-    monkeypatch.setenv("FERRY_MODELWEIGHTS_NAMESPACE", "team-a")
-    sinks = default_sinks(io.StringIO())
-    assert [type(s).__name__ for s in sinks] == ["LogLines", "KubeStatusSink"]
+    monkeypatch.setenv("POD_NAME", "llama-fetch-abc")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert [type(s).__name__ for s in default_sinks(io.StringIO())] == ["LogLines", "IntervalSink"]
+
+    # The local executor's file wins, and is written whole.
+    monkeypatch.setenv("FERRY_PROGRESS_FILE", str(tmp_path / "progress.json"))
+    monkeypatch.setenv("FERRY_PROGRESS_INTERVAL", "0")
+    _, sink = default_sinks(io.StringIO())
+    sink.close(snapshot(100, 100, finished=True))
+    assert json.loads((tmp_path / "progress.json").read_text())["percent"] == 100
+    assert not (tmp_path / "progress.json.tmp").exists()
 
 
-def test_kube_status_sink_with_no_interval_reports_even_a_step_with_no_tick() -> None:
+def test_interval_sink_with_no_interval_reports_even_a_step_with_no_tick() -> None:
     status = PatchedStatus()
-    sink = KubeStatusSink(lambda: status, interval_s=0, clock=Clock())  # type: ignore[arg-type]
+    sink = IntervalSink(lambda: status, interval_s=0, clock=Clock())  # type: ignore[arg-type]
     sink.close(snapshot(100, 100, finished=True))
     assert status.patches == [100]

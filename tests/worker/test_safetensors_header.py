@@ -9,7 +9,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from checkpoint_files import raw_safetensors
-from ferry_worker.safetensors_header import MAX_HEADER_BYTES, UnsafeSafetensorsError, validate_safetensors
+from ferry_worker import safetensors_header
+from ferry_worker.safetensors_header import (
+    MAX_HEADER_BYTES, MAX_HEADER_ENTRIES, MAX_TENSOR_RANK, UnsafeSafetensorsError, validate_safetensors)
 
 
 def write(tmp_path: Path, data: bytes) -> Path:
@@ -97,3 +99,91 @@ def test_metadata_must_be_strings(tmp_path: Path) -> None:
 def test_the_error_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(UnsafeSafetensorsError, match=r"^model-00001-of-00002\.safetensors: "):
         validate_safetensors(write(tmp_path, b"\0" * 4), name="model-00001-of-00002.safetensors")
+
+
+def one_byte_tensors(count: int, *, tail: str = "}") -> bytes:
+    """`count` U8[1] tensors, written by hand: the test needs headers json.dumps would not make."""
+    body = ",".join(f'"t{i}":{{"dtype":"U8","shape":[1],"data_offsets":[{i},{i + 1}]}}' for i in range(count))
+    raw = ("{" + body + tail).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * count
+
+
+def test_a_million_entries_are_refused_at_the_cap_before_the_rest_is_parsed(tmp_path: Path) -> None:
+    # The JSON is broken after the last entry: a parser that read everything before
+    # counting would report that instead of the cap.
+    data = one_byte_tensors(1_000_000, tail=', "broken')
+    assert len(data) < MAX_HEADER_BYTES  # within the size cap: the entry cap is what refuses it
+    with pytest.raises(UnsafeSafetensorsError) as refused:
+        validate_safetensors(write(tmp_path, data), name="model-00001-of-00002.safetensors")
+    assert str(refused.value) == (
+        f"model-00001-of-00002.safetensors: header holds more than {MAX_HEADER_ENTRIES} entries "
+        f"(tensors and __metadata__ keys), Ferry's cap; refused before reading the rest")
+
+
+def test_the_entry_cap_counts_tensors_and_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_ENTRIES", 3)
+    assert len(validate_safetensors(write(tmp_path, one_byte_tensors(3))).tensors) == 3
+    with pytest.raises(UnsafeSafetensorsError, match="more than 3 entries"):
+        validate_safetensors(write(tmp_path, one_byte_tensors(4)))
+    two_tensors = {f"t{i}": entry("U8", [1], i, i + 1) for i in range(2)}
+    with pytest.raises(UnsafeSafetensorsError, match="more than 3 entries"):
+        validate_safetensors(write(tmp_path, raw_safetensors(two_tensors, b"\0\0", metadata={"a": "1", "b": "2"})))
+
+
+def test_the_size_cap_is_checked_from_the_length_prefix_alone(tmp_path: Path) -> None:
+    # The prefix claims a header one byte past the cap and the file is that long:
+    # refused on the prefix, whatever the bytes behind it are.
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+        f.truncate(8 + MAX_HEADER_BYTES + 1)  # sparse: no 100 MB written
+    with pytest.raises(UnsafeSafetensorsError, match=f"header length {MAX_HEADER_BYTES + 1} exceeds {MAX_HEADER_BYTES}"):
+        validate_safetensors(path)
+
+
+def test_a_duplicate_name_after_many_entries_is_refused(tmp_path: Path) -> None:
+    data = one_byte_tensors(50_000, tail=', "t49999": {"dtype":"U8","shape":[1],"data_offsets":[50000,50001]}}')
+    with pytest.raises(UnsafeSafetensorsError, match="duplicate key 't49999'"):
+        validate_safetensors(write(tmp_path, data + b"\0"))
+
+
+def test_a_duplicate_key_inside_an_entry_is_refused(tmp_path: Path) -> None:
+    body = b'{"a": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 1]}}'
+    with pytest.raises(UnsafeSafetensorsError, match="duplicate key 'dtype'"):
+        validate_safetensors(write(tmp_path, struct.pack("<Q", len(body)) + body + b"\0"))
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("1" * 5000, "UTF-8 JSON"),  # an integer past Python's digit limit
+], ids=["deep-nesting", "huge-integer"])
+def test_values_that_would_raise_past_the_check_are_refused(tmp_path: Path, value: str, problem: str) -> None:
+    body = ('{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": ' + value + "}}").encode()
+    with pytest.raises(UnsafeSafetensorsError, match=problem):
+        validate_safetensors(write(tmp_path, struct.pack("<Q", len(body)) + body + b"\0"))
+
+
+def test_shapes_past_the_rank_cap_are_refused(tmp_path: Path) -> None:
+    rank = MAX_TENSOR_RANK + 1
+    with pytest.raises(UnsafeSafetensorsError, match=f"shape has {rank} dimensions"):
+        validate_safetensors(write(tmp_path, raw_safetensors({"a": entry("U8", [1] * rank, 0, 1)}, b"\0")))
+    validate_safetensors(write(tmp_path, raw_safetensors({"a": entry("U8", [1] * MAX_TENSOR_RANK, 0, 1)}, b"\0")))
+
+
+@pytest.mark.parametrize("body, problem", [
+    (b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}} x', "extra data"),
+    (b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]} "b": 1}', "expected ','"),
+    (b'{"a" {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', "expected ':'"),
+    (b'{a: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', "expected a string key"),
+    (b'{"a": }', "UTF-8 JSON"),
+    (b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},', "UTF-8 JSON"),
+], ids=["trailing", "no-comma", "no-colon", "bare-key", "no-value", "unterminated"])
+def test_malformed_json_read_entry_by_entry(tmp_path: Path, body: bytes, problem: str) -> None:
+    with pytest.raises(UnsafeSafetensorsError, match=problem):
+        validate_safetensors(write(tmp_path, struct.pack("<Q", len(body)) + body + b"\0"))
+
+
+def test_whitespace_the_format_allows_is_accepted(tmp_path: Path) -> None:
+    body = b'{ \n"a" :\t{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]} ,\r\n "__metadata__" : { } }   '
+    header = validate_safetensors(write(tmp_path, struct.pack("<Q", len(body)) + body + b"\0"))
+    assert [t.name for t in header.tensors] == ["a"] and header.metadata == {}

@@ -7,8 +7,8 @@ how often it really emits:
 
 - `TerminalBar`: a redrawn one-line bar, when stderr is a terminal;
 - `LogLines`: a plain line every few seconds otherwise (Job logs);
-- `kube_status.KubeStatusSink`: `status.progress` of the ModelWeights, when
-  FERRY_MODELWEIGHTS_NAME and FERRY_MODELWEIGHTS_NAMESPACE are set.
+- `progress_report.IntervalSink`: the operator's channel (a file, or the worker's own
+  pod condition), which it copies into `status.progress` of the ModelWeights.
 
 `sinks.default_sinks()` picks them for a command:
 

@@ -9,18 +9,36 @@ exhaustion), offsets past the end of the file or overlapping tensors (readers
 that trust offsets read the wrong bytes or out of bounds), or shapes whose
 byte size disagrees with their extent. Each is refused here, reading only the
 header, so validation costs nothing next to the transfer.
+
+Every check is linear in the header (the tensor table is sorted once), and a
+header is bounded twice before it costs anything: its length, read from the
+8-byte prefix, against MAX_HEADER_BYTES before a byte of JSON is read; its
+entries (tensors and `__metadata__` keys), counted while the top-level object
+is parsed entry by entry, against MAX_HEADER_ENTRIES, so a header with a
+million entries is refused at the cap instead of parsed in full. Below an
+entry, values are decoded by the json module's C scanner: linear, and bounded
+by the header length.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 # The safetensors library refuses headers above 100 MB; so does Ferry.
 MAX_HEADER_BYTES = 100_000_000
+# Tensors plus __metadata__ keys one header may hold. A real shard holds a few
+# thousand tensors (DeepSeek-V3: ~1,000-5,000 per file); a whole large model in
+# one file ~90,000 (DeepSeek-V3's 671B). 250,000 leaves room for that; a
+# header with more exists to make parsing and checking expensive.
+MAX_HEADER_ENTRIES = 250_000
+# Dimensions of one tensor's shape. Frameworks stop at 64 (numpy 2, torch);
+# the cap keeps the element count (a product of the dimensions) cheap.
+MAX_TENSOR_RANK = 64
 
 # Bits per element. Sub-byte types pack several elements per byte.
 DTYPE_BITS: dict[str, int] = {
@@ -77,11 +95,11 @@ def _check_header(raw: bytes, file_size: int, label: str) -> SafetensorsHeader:
     if not raw.startswith(b"{"):
         raise fail("header is not a JSON object")
     try:
-        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        body = _parse_header_object(raw.decode("utf-8"), fail)
     except (UnicodeDecodeError, ValueError) as e:
         raise fail(f"header is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise fail("header is not a JSON object")
+    except RecursionError:
+        raise fail("header is not valid UTF-8 JSON: values nested too deeply") from None
 
     metadata = body.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -112,7 +130,9 @@ def _check_tensor(name: str, entry: object, fail) -> TensorInfo:
     if dtype not in DTYPE_BITS:
         raise fail(f"tensor {name!r}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise fail(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+        raise fail(f"tensor {name!r}: shape must be a list of non-negative integers, got {_brief(shape)}")
+    if len(shape) > MAX_TENSOR_RANK:
+        raise fail(f"tensor {name!r}: shape has {len(shape)} dimensions, more than the {MAX_TENSOR_RANK} Ferry accepts")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise fail(f"tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
     begin, end = offsets
@@ -130,9 +150,67 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _brief(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(keys) != len(set(keys)):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"duplicate key {dup!r}")
-    return dict(pairs)
+    """A JSON object nested in an entry; a repeated key is refused (one set, linear)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {duplicate!r}")
+    return result
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # what JSON allows between tokens
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+
+
+def _parse_header_object(text: str, fail) -> dict:
+    """The top-level JSON object, read entry by entry so that its entry count is
+    refused at MAX_HEADER_ENTRIES, not after parsing everything behind it.
+    `__metadata__` is read the same way and counts against the same cap."""
+    budget = [MAX_HEADER_ENTRIES]
+    body, end = _parse_object(text, 0, fail, budget, top_level=True)
+    if _skip_whitespace(text, end) != len(text):
+        raise ValueError(f"extra data at char {_skip_whitespace(text, end)}")
+    return body
+
+
+def _parse_object(text: str, start: int, fail, budget: list[int], *, top_level: bool) -> tuple[dict, int]:
+    """Parse the object at `start`; return it and the index after its `}`."""
+    result: dict = {}
+    i = _skip_whitespace(text, start + 1)
+    if text.startswith("}", i):
+        return result, i + 1
+    while True:
+        if not text.startswith('"', i):
+            raise ValueError(f"expected a string key at char {i}")
+        key, i = _DECODER.raw_decode(text, i)
+        i = _skip_whitespace(text, i)
+        if not text.startswith(":", i):
+            raise ValueError(f"expected ':' at char {i}")
+        i = _skip_whitespace(text, i + 1)
+        if key in result:
+            raise fail(f"duplicate key {key!r}")
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise fail(f"header holds more than {MAX_HEADER_ENTRIES} entries (tensors and __metadata__ keys), "
+                       f"Ferry's cap; refused before reading the rest")
+        if top_level and key == "__metadata__" and text.startswith("{", i):
+            result[key], i = _parse_object(text, i, fail, budget, top_level=False)
+        else:
+            result[key], i = _DECODER.raw_decode(text, i)
+        i = _skip_whitespace(text, i)
+        if text.startswith("}", i):
+            return result, i + 1
+        if not text.startswith(",", i):
+            raise ValueError(f"expected ',' or '}}' at char {i}")
+        i = _skip_whitespace(text, i + 1)
+
+
+def _skip_whitespace(text: str, i: int) -> int:
+    return _WHITESPACE.match(text, i).end()

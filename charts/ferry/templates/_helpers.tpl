@@ -29,3 +29,4 @@ app.kubernetes.io/component: operator
 {{- define "ferry.workerServiceAccount" -}}ferry-worker{{- end -}}
 {{- define "ferry.workerClusterRole" -}}{{ include "ferry.fullname" . }}-worker{{- end -}}
 {{- define "ferry.reporterClusterRole" -}}{{ include "ferry.fullname" . }}-weights-reporter{{- end -}}
+{{- define "ferry.referencesPolicy" -}}{{ include "ferry.fullname" . }}-references{{- end -}}

@@ -193,6 +193,15 @@ class PVCStorage(Model):
         return enforce(PVC_RULES, self)
 
 
+ENDPOINT_RULES = [
+    matches(
+        r"^https?://[^/@]+(/.*)?$",
+        "must not carry credentials (user:password@host): they would be written into the pods' plain env; "
+        "put them in the Secret named by credentialsSecretRef",
+    ),
+]
+
+
 class S3Storage(Model):
     """An S3 (or S3-compatible) prefix for artifacts."""
 
@@ -205,8 +214,15 @@ class S3Storage(Model):
         None,
         max_length=2048,
         pattern=r"^https?://[^\s/]+(/.*)?$",
-        description="Endpoint URL of an S3-compatible store (e.g. http://minio.storage:9000); default: AWS.",
+        description="Endpoint URL of an S3-compatible store (e.g. http://minio.storage:9000); default: AWS. No "
+                    "credentials in it: they would land in plain env; use credentialsSecretRef.",
+        json_schema_extra=crd_validations(ENDPOINT_RULES),
     )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return v if v is None else enforce(ENDPOINT_RULES, v)
     region: str | None = Field(None, max_length=64, pattern=r"^[a-z0-9-]+$", description="Bucket region.")
     credentials_secret_ref: SecretRef | None = Field(
         None, description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for this store."
@@ -607,6 +623,7 @@ class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str | None = None
     namespace: str | None = None
+    uid: str | None = None  # the object's identity: its artifacts' paths and prefixes carry it
     generation: int | None = None
 
 

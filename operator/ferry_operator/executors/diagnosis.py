@@ -18,17 +18,27 @@ maps to conditions:
   message.
 
 Messages name the object, quote the kubelet's or scheduler's own words, and
-say which spec field or chart value to look at.
+say which spec field or chart value to look at. Text a pod wrote (a crashed
+worker's log tail, its status message) is redacted (`redact.py`) before it is
+quoted: it ends up in conditions and Events.
+
+Only the Job's own pods count: those whose ownerReferences name the Job (its
+uid) as their controller. Anyone who may create pods can give one the Job's
+labels; such a pod neither reports the step's result nor steers the diagnosis.
+A step's result is read strictly (jobs.parse_result): a Complete Job whose own
+pod reported none, or a malformed one, is a FAILED step, not an artifact.
 """
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
 from ..planner import StepPhase, StepState
-from .jobs import LABEL_MW, LABEL_STEP, WORKER_CONTAINER
+from .jobs import LABEL_MW, LABEL_STEP, WORKER_CONTAINER, MalformedResult, StepResult, parse_result
+from .redact import redact
 
 # Reasons (condition reasons: CamelCase).
 SECRET_NOT_FOUND = "SecretNotFound"
@@ -47,6 +57,11 @@ POD_NOT_CREATED = "PodNotCreated"  # (waiting) the Job controller made no pod
 RETRYING = "Retrying"  # (waiting) an attempt failed; the Job retries
 WORKER_FAILED = "WorkerFailed"
 FORBIDDEN = "Forbidden"
+DEADLINE_EXCEEDED = "DeadlineExceeded"  # the Job's activeDeadlineSeconds ran out
+MALFORMED_RESULT = "MalformedResult"  # the Job's own pod reported something that is not a step result
+RESULT_MISSING = "ResultMissing"  # the Job completed, but none of its own pods reported a result
+WAITING_FOR_RESULT = "WaitingForResult"  # (waiting) completed a moment ago; its pod's update may still be on its way
+UNSUPPORTED_SOURCE = "UnsupportedSource"  # a source this executor does not read (file://)
 
 # A claim's binding is usually immediate (a matching static PersistentVolume
 # binds even when its StorageClass object does not exist), so a missing class
@@ -59,12 +74,16 @@ IMAGE_PULL_GRACE = timedelta(seconds=60)
 # The Job controller creates a pod within a second; one that made none this
 # long was refused (quota, PodSecurity, a missing ServiceAccount: see its events).
 POD_CREATE_GRACE = timedelta(seconds=30)
+# The Job's and its pods' watch events arrive independently: a Job seen Complete
+# before its pod's final status gets this long before its missing result counts.
+RESULT_GRACE = timedelta(seconds=10)
 
 # The pod volumes jobs.py mounts, by the spec field that names their claim.
 CLAIM_FIELDS = {"weights": "spec.storage.pvc", "source": "spec.source.uri"}
 SECRET_FIELD = "spec.source.credentialsSecretRef"
 IMAGE_VALUES = "the chart's worker.image value (default: image.repository:image.tag)"
 NODE_VALUES = "the chart's worker.nodeSelector, worker.tolerations and worker.resources values"
+DEADLINE_VALUE = "the chart's worker.activeDeadlineSeconds value (FERRY_WORKER_ACTIVE_DEADLINE_SECONDS)"
 MAX_LINE = 500
 
 # The registry answered: no such image or tag, or no access to it. Retrying will not change that.
@@ -110,7 +129,8 @@ def _true(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
 
 
 def _last_line(text: str | None) -> str:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    """The last line of a message, redacted before it is cut (a cut key would escape its pattern)."""
+    lines = [line.strip() for line in redact(text or "").splitlines() if line.strip()]
     line = lines[-1] if lines else ""
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
@@ -135,6 +155,14 @@ def _scheduled(pod: Mapping[str, Any]) -> bool:
     return bool((pod.get("spec") or {}).get("nodeName")) or _true(pod, "PodScheduled") is not None
 
 
+def owned_pods(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The pods the Job controller made for this Job: their controller reference is the Job's uid."""
+    uid = _meta(job).get("uid")
+    return [p for p in pods if uid and any(
+        ref.get("kind") == "Job" and ref.get("controller") is True and ref.get("uid") == uid
+        for ref in _meta(p).get("ownerReferences") or [])]
+
+
 def claim_names(job: Mapping[str, Any]) -> list[str]:
     """The claims a Job's pods mount, in the template's order."""
     return [v["persistentVolumeClaim"]["claimName"] for v in _pod_template(job).get("volumes") or []
@@ -146,7 +174,7 @@ def claims_to_read(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> lis
     (a scheduled pod's claims are bound)."""
     if _true(job, "Complete") or _true(job, "Failed") or _true(job, "FailureTarget"):
         return []
-    if any(_scheduled(p) for p in _live(pods)):
+    if any(_scheduled(p) for p in _live(owned_pods(job, pods))):
         return []
     return claim_names(job)
 
@@ -165,18 +193,78 @@ def storage_classes_to_check(claims: Mapping[str, Mapping[str, Any] | None]) -> 
 
 def diagnose(job: Mapping[str, Any], pods: list[Mapping[str, Any]],
              claims: Mapping[str, Mapping[str, Any] | None] | None = None,
-             storage_classes: Mapping[str, bool] | None = None, now: datetime | None = None) -> StepState:
-    """The step's state from its Job (as the API serves it), the Job's pods, the
-    claims read (name -> the claim, or None: it does not exist; a claim not read
-    is simply absent) and whether StorageClasses exist (name -> bool)."""
+             storage_classes: Mapping[str, bool] | None = None, now: datetime | None = None,
+             needs_result: bool = False) -> StepState:
+    """The step's state from its Job (as the API serves it), the pods carrying its
+    labels (only its own count), the claims read (name -> the claim, or None: it
+    does not exist; a claim not read is simply absent) and whether StorageClasses
+    exist (name -> bool). `needs_result`: the step's result is the artifact's, so
+    a Complete Job succeeded only once its own pod reported a valid one."""
     now = now or datetime.now(timezone.utc)
-    claims = claims or {}
-    storage_classes = storage_classes or {}
+    state = _diagnose(job, owned_pods(job, pods), claims or {}, storage_classes or {}, now, needs_result)
+    # Every message may quote a pod's words: redacted once more as a whole, whatever path built it.
+    return replace(state, message=redact(state.message)) if state.message else state
+
+
+PROGRESS_CONDITION = "ferry.dev/progress"  # ferry_worker.progress_report.CONDITION (a test keeps them equal)
+MAX_PROGRESS_MESSAGE = 4096  # a report is a few hundred bytes
+
+
+def reported_progress(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The newest progress report a pod of the Job's own set on itself (untrusted:
+    the planner validates it against the CRD's Progress type), if any."""
+    newest = None
+    for pod in owned_pods(job, pods):
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == PROGRESS_CONDITION and len(c.get("message") or "") <= MAX_PROGRESS_MESSAGE:
+                if newest is None or (c.get("lastTransitionTime") or "") >= (newest.get("lastTransitionTime") or ""):
+                    newest = c
+    try:
+        report = json.loads(newest["message"]) if newest else None
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def step_result(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> StepResult | None:
+    """The result the Job's own Succeeded pod reported, if any (MalformedResult if it is not one, or if
+    two of its pods disagree)."""
+    results = set()
+    for pod in owned_pods(job, pods):
+        term = ((_worker_status(pod) or {}).get("state") or {}).get("terminated") or {}
+        if _phase(pod) == "Succeeded" and (result := parse_result(term.get("message"))) is not None:
+            results.add(result)
+    if len(results) > 1:
+        raise MalformedResult(f"its pods report {len(results)} different results")
+    return results.pop() if results else None
+
+
+def _result_state(job: Mapping[str, Any], pods: list[Mapping[str, Any]], now: datetime) -> StepState:
+    """A Complete Job's step: SUCCEEDED once its own pod reported a valid result."""
+    ns, name = _meta(job).get("namespace"), _meta(job).get("name")
+    try:
+        result = step_result(job, pods)
+    except MalformedResult as exc:
+        return StepState(StepPhase.FAILED, reason=MALFORMED_RESULT, message=(
+            f"Job {ns}/{name} completed, but its result (the worker's termination message) is malformed: {exc}; "
+            "the worker image may not match the operator (check the chart's worker.image value)"))
+    if result is not None:
+        return StepState(StepPhase.SUCCEEDED)
+    if _since(_status(job).get("completionTime"), now) < RESULT_GRACE:
+        return StepState(StepPhase.RUNNING, reason=WAITING_FOR_RESULT,
+                         message=f"Job {ns}/{name} completed; reading its result")
+    return StepState(StepPhase.FAILED, reason=RESULT_MISSING, message=(
+        f"Job {ns}/{name} completed, but none of its pods reported a result (the worker's termination message): "
+        "the worker image may not match the operator (check the chart's worker.image value)"))
+
+
+def _diagnose(job: Mapping[str, Any], pods: list[Mapping[str, Any]], claims: Mapping[str, Mapping[str, Any] | None],
+              storage_classes: Mapping[str, bool], now: datetime, needs_result: bool) -> StepState:
     pods = _ordered(pods)
     failed = [p for p in pods if _phase(p) == "Failed"]
 
     if _true(job, "Complete"):
-        return StepState(StepPhase.SUCCEEDED)
+        return _result_state(job, pods, now) if needs_result else StepState(StepPhase.SUCCEEDED)
     for type_ in ("Failed", "FailureTarget"):  # FailureTarget: failed, its pods still terminating
         cond = _true(job, type_)
         if cond is not None:
@@ -221,6 +309,8 @@ def diagnose(job: Mapping[str, Any], pods: list[Mapping[str, Any]],
 
 def _job_failed(job: Mapping[str, Any], cond: Mapping[str, Any], failed: list[Mapping[str, Any]]) -> StepState:
     reason = cond.get("reason") or ""
+    if reason == "DeadlineExceeded":
+        return _deadline_exceeded(job)
     if not failed:
         detail = cond.get("message") or reason or "the Job failed"
         return StepState(StepPhase.FAILED, detail, reason=WORKER_FAILED, retryable=True)
@@ -234,6 +324,17 @@ def _job_failed(job: Mapping[str, Any], cond: Mapping[str, Any], failed: list[Ma
     else:
         how = cond.get("message") or reason
     return StepState(StepPhase.FAILED, f"{what}; {how}", reason=WORKER_FAILED, retryable=True)
+
+
+def _deadline_exceeded(job: Mapping[str, Any]) -> StepState:
+    """Not retried by itself: the same step would run into the same deadline."""
+    ns, name = _meta(job).get("namespace"), _meta(job).get("name")
+    deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
+    mw = (_meta(job).get("labels") or {}).get(LABEL_MW) or "NAME"
+    return StepState(StepPhase.FAILED, reason=DEADLINE_EXCEEDED, message=(
+        f"Job {ns}/{name} ran past its deadline of {deadline}s (activeDeadlineSeconds) and was stopped: "
+        f"raise {DEADLINE_VALUE} (helm upgrade), then retry: "
+        f"kubectl annotate mw/{mw} -n {ns} ferry.dev/requested-at=$(date +%s) --overwrite"))
 
 
 def _worker_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -257,7 +358,7 @@ def _pod_failure(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
             return (f"the worker ran out of memory (OOMKilled, exit code {code}): raise the chart's "
                     "worker.resources.limits.memory")
         if disrupted is not None:
-            return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {disrupted.get('message', '')})"
+            return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {_last_line(disrupted.get('message'))})"
         if why in ("StartError", "ContainerCannotRun"):  # the runtime could not start the command
             return (f"the worker container could not start ({why}, exit code {code}): {line or 'no message'}; "
                     f"check {IMAGE_VALUES}")
@@ -265,7 +366,7 @@ def _pod_failure(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
             return f"{line} (exit code {code})"
         return f"the worker exited with code {code}" + (f" ({why})" if why else "")
     if disrupted is not None:
-        return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {disrupted.get('message', '')})"
+        return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {_last_line(disrupted.get('message'))})"
     return f"pod {ns}/{name} failed: {_last_line(status.get('message')) or 'no message'}"
 
 
@@ -273,7 +374,7 @@ def _worker_words(job: Mapping[str, Any], message: str | None) -> str:
     """The worker's error from a termination message: its own report ("<step> failed: ...", which
     may span lines: an SDK's error) as one line, or else (a crash: the log tail) the last line."""
     step = (_meta(job).get("labels") or {}).get(LABEL_STEP)
-    text = (message or "").strip()
+    text = redact(message or "").strip()
     if step and text.startswith(f"{step} failed: "):
         # The planner says "<step> failed: " already.
         line = " ".join(text[len(step) + len(" failed: "):].split())

@@ -1,23 +1,23 @@
 """Kubernetes objects for the kubernetes executor, built as plain dicts. Pure.
 
-Layout on the claim (mounted at /weights in prepare Jobs):
-    <subPath>/<spec-digest>/staging    fetched original checkpoint (sharded_state)
-    <subPath>/<spec-digest>/artifact   what serving pods mount read-only
-Object-store artifacts (tensorizer; runai_streamer published to storage.s3)
-go to <storage.s3.uri>/<namespace>/<name>/<spec-digest>/ instead; their
-staging stays on the claim.
+The claim is mounted at /weights in prepare Jobs; where on it (and in S3) an
+object's artifacts go, with its uid in every path, is locations.py's.
 A step's result (manifest digest, bytes) comes back through the pod's
 termination message, so the operator never needs to read the volume.
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from ..api.types import API_VERSION, KIND, ModelWeights
-from ..steps import Step, s3_artifact_uri, s3_store_env
+from ..locations import claim_name, digest_dir, dns_name, s3_artifact_uri, step_paths
+from ..steps import Step, s3_store_env
+from .redact import redact
 
 WEIGHTS_MOUNT = "/weights"
 SOURCE_MOUNT = "/source"
@@ -36,6 +36,17 @@ BACKOFF_LIMIT = 3
 TENSORIZER_KEY_DIR = "/ferry/secrets/tensorizer"
 # Steps that write to storage.s3 (with its credentials, not the source's).
 S3_WRITING_STEPS = {"tensorize", "publish"}
+# Deadlines (activeDeadlineSeconds): a step moves at most its claim's bytes (staging and
+# artifact both live there), at no less than a slow but working link or disk. The floor
+# covers a small claim's startup, image pull and retries; a reused claim of unknown size
+# gets what 500 GiB needs at that rate. A chart value overrides them all.
+DEADLINE_RATE_BYTES_S = 25 * 2**20
+DEADLINE_FLOOR_S = 2 * 3600
+DEADLINE_UNKNOWN_SIZE_S = 6 * 3600
+# Removing a directory, or the objects one manifest names, does not scale with the model's bytes.
+CLEANUP_DEADLINE_S = 3600
+# Sources a Job can read: file:// would read the node's or the worker's own files (its token).
+KUBERNETES_SOURCES = ("hf://", "s3://", "pvc://")
 
 
 @dataclass(frozen=True)
@@ -50,35 +61,10 @@ class WorkerSettings:
     tensorize_image: str = ""
     # FERRY_PROGRESS_INTERVAL of the workers ("": theirs).
     progress_interval: str = ""
-
-
-def dns_name(*parts: str, limit: int = 63) -> str:
-    """Join parts into a DNS-1123 label, hashing the tail when it is too long."""
-    name = "-".join(parts)
-    if len(name) <= limit:
-        return name
-    tail = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return f"{name[: limit - 9].rstrip('-')}-{tail}"
-
-
-def claim_name(mw: ModelWeights) -> str:
-    pvc = mw.spec.storage.pvc if mw.spec.storage else None
-    return (pvc.name if pvc and pvc.name else None) or dns_name(mw.metadata.name, "weights", limit=253)
-
-
-def sub_path(mw: ModelWeights) -> str:
-    pvc = mw.spec.storage.pvc if mw.spec.storage else None
-    return (pvc.sub_path if pvc and pvc.sub_path else None) or mw.metadata.name
-
-
-def step_paths(mw: ModelWeights, digest: str) -> dict[str, str]:
-    base = f"{sub_path(mw)}/{digest}"
-    return {"staging": f"{base}/staging", "artifact": f"{base}/artifact"}
-
-
-def artifact_uri(mw: ModelWeights, digest: str) -> str:
-    s3 = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, digest)
-    return s3 or f"pvc://{claim_name(mw)}/{step_paths(mw, digest)['artifact']}"
+    # activeDeadlineSeconds of every prepare Job; None: derived per step (prepare_deadline).
+    active_deadline_seconds: int | None = None
+    # Let Jobs fall back to the node's instance credentials (EC2 metadata) for S3; off: they never do.
+    allow_instance_credentials: bool = False
 
 
 def storage_s3_env(mw: ModelWeights) -> list[dict[str, Any]]:
@@ -114,8 +100,77 @@ def job_name(mw: ModelWeights, step: Step) -> str:
     return dns_name(mw.metadata.name, step.name, step.digest[:8])
 
 
-def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSettings) -> dict[str, Any]:
-    paths = {k: f"{WEIGHTS_MOUNT}/{v}" for k, v in step_paths(mw, step.digest).items()}
+def unsupported_source(mw: ModelWeights) -> str | None:
+    """Why a Job may not read this source, or None. A file:// source would copy
+    whatever the pod sees at that path (its ServiceAccount token, the node's
+    files through a volume) into the artifact."""
+    uri = mw.spec.source.uri
+    if uri.startswith(KUBERNETES_SOURCES):
+        return None
+    scheme = uri.split("://", 1)[0] + "://" if "://" in uri else uri
+    return (f"spec.source.uri {uri!r}: {scheme} is for the local executor only; with the kubernetes executor "
+            "use pvc://, s3:// or hf://")
+
+
+def parse_deadline(text: str) -> int | None:
+    """FERRY_WORKER_ACTIVE_DEADLINE_SECONDS: "" for derived deadlines, else a positive whole number of seconds."""
+    if not text.strip():
+        return None
+    if not text.strip().isdecimal() or int(text) <= 0:
+        raise SystemExit(f"FERRY_WORKER_ACTIVE_DEADLINE_SECONDS={text!r}: a positive whole number of seconds, "
+                         "or empty for deadlines derived from each claim's size "
+                         "(the chart's worker.activeDeadlineSeconds)")
+    return int(text)
+
+
+def prepare_deadline(mw: ModelWeights, settings: WorkerSettings) -> int:
+    """activeDeadlineSeconds of a prepare Job: the chart's value, or derived from the claim's size."""
+    if settings.active_deadline_seconds:
+        return settings.active_deadline_seconds
+    pvc = mw.spec.storage.pvc if mw.spec.storage else None
+    if pvc is None or pvc.size is None:
+        return DEADLINE_UNKNOWN_SIZE_S
+    return max(DEADLINE_FLOOR_S, int(parse_quantity(pvc.size)) // DEADLINE_RATE_BYTES_S)
+
+
+def instance_credentials_env(settings: WorkerSettings) -> list[dict[str, Any]]:
+    """Keep the AWS SDKs off the node's instance metadata (a node role's credentials), unless the chart
+    allows it. In every Job's container, whether or not this step talks to S3: one rule to audit. An
+    explicit env entry wins over envFrom, so a source Secret cannot switch it back on."""
+    return [] if settings.allow_instance_credentials else [{"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}]
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_spec(settings: WorkerSettings, containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
+              token: bool, claim: bool = True) -> dict[str, Any]:
+    """What the pods of every Ferry Job share: the worker ServiceAccount (its token mounted only for a
+    worker that reports progress), non-root under the runtime's seccomp profile, a writable /tmp on a
+    read-only root, the chart's placement."""
+    security: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                                "seccompProfile": {"type": "RuntimeDefault"}}
+    if claim:
+        security["fsGroup"] = 65532  # the claim's files are the worker's
+    tmp = {"name": "tmp", "mountPath": "/tmp"}
+    spec: dict[str, Any] = {"serviceAccountName": settings.service_account, "restartPolicy": "Never",
+                            "securityContext": security,
+                            "containers": [{**c, "volumeMounts": [*c.get("volumeMounts", []), tmp]}
+                                           for c in containers],
+                            "volumes": volumes + [{"name": "tmp", "emptyDir": {}}]}
+    if not token:
+        spec["automountServiceAccountToken"] = False
+    if settings.node_selector:
+        spec["nodeSelector"] = settings.node_selector
+    if settings.tolerations:
+        spec["tolerations"] = settings.tolerations
+    return spec
+
+
+def _step_volumes(mw: ModelWeights, step: Step) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """(volumes, mounts, the source as the worker reads it): the claim, a pvc:// source (read-only), the
+    tensorizer key."""
     source = mw.spec.source.uri
     volumes = [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}}]
     mounts = [{"name": "weights", "mountPath": WEIGHTS_MOUNT}]
@@ -124,59 +179,60 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
         volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
         source = f"file://{SOURCE_MOUNT}/{path}".rstrip("/")
-    artifact = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, step.digest)
-    if artifact is not None:
-        paths["artifact"] = artifact
     key = mw.spec.format.tensorizer.encryption_secret_ref if mw.spec.format.tensorizer else None
     if key is not None and step.name == "tensorize":
         volumes.append({"name": "tensorizer-key", "secret": {"secretName": key.name, "defaultMode": 0o400,
                                                              "items": [{"key": "key", "path": "key"}]}})
         mounts.append({"name": "tensorizer-key", "mountPath": TENSORIZER_KEY_DIR, "readOnly": True})
-    argv = [a.format(source=source, tensorizer_key=f"{TENSORIZER_KEY_DIR}/key", **paths) for a in step.argv]
+    return volumes, mounts, source
+
+
+def _step_env(mw: ModelWeights, step: Step,
+              settings: WorkerSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env, envFrom) of a step's worker: storage.s3's credentials for the steps that write there, else the source's."""
     env = [
-        {"name": "FERRY_MODELWEIGHTS_NAME", "value": mw.metadata.name},
-        {"name": "FERRY_MODELWEIGHTS_NAMESPACE", "value": mw.metadata.namespace},
+        # The worker reports progress as a condition of its own pod (the only write it may make).
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "FERRY_RESULT_FILE", "value": RESULT_FILE},
         # Hub downloads cache on the claim, so a retried Job resumes instead of restarting.
         {"name": "HF_HOME", "value": f"{WEIGHTS_MOUNT}/.hf-cache"},
+        *instance_credentials_env(settings),
     ]
     if settings.progress_interval:
         env.append({"name": "FERRY_PROGRESS_INTERVAL", "value": settings.progress_interval})
-    env_from = []
     if step.name in S3_WRITING_STEPS:
-        env += storage_s3_env(mw)
-    elif mw.spec.source.credentials_secret_ref is not None:
-        env_from.append({"secretRef": {"name": mw.spec.source.credentials_secret_ref.name}})
+        return env + storage_s3_env(mw), []
+    if mw.spec.source.credentials_secret_ref is not None:
+        return env, [{"secretRef": {"name": mw.spec.source.credentials_secret_ref.name}}]
+    return env, []
+
+
+def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSettings) -> dict[str, Any]:
+    refused = unsupported_source(mw)
+    if refused is not None:  # the executor reports it (observe) before it would start a Job
+        raise ValueError(refused)
+    paths = {k: f"{WEIGHTS_MOUNT}/{v}" for k, v in step_paths(mw, step.digest).items()}
+    artifact = s3_artifact_uri(mw, step.digest)
+    if artifact is not None:
+        paths["artifact"] = artifact
+    volumes, mounts, source = _step_volumes(mw, step)
+    env, env_from = _step_env(mw, step, settings)
     container = {
         "name": WORKER_CONTAINER,
         "image": (settings.tensorize_image or settings.image) if step.name == "tensorize" else settings.image,
         "command": ["ferry"],
-        "args": argv,
+        "args": [a.format(source=source, tensorizer_key=f"{TENSORIZER_KEY_DIR}/key", **paths) for a in step.argv],
         "env": env,
         "volumeMounts": mounts,
         "resources": settings.resources,
         "terminationMessagePath": RESULT_FILE,
-        # On a crash the log tail becomes the message the operator reports.
+        # On a crash the log tail becomes the message the operator reports (redacted: diagnosis.py).
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": _container_security(),
     }
     if env_from:
         container["envFrom"] = env_from
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: step.name}
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": settings.service_account,
-        "restartPolicy": "Never",
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
-        "volumes": volumes + [{"name": "tmp", "emptyDir": {}}],
-    }
-    container["volumeMounts"] = mounts + [{"name": "tmp", "mountPath": "/tmp"}]
-    if settings.node_selector:
-        pod_spec["nodeSelector"] = settings.node_selector
-    if settings.tolerations:
-        pod_spec["tolerations"] = settings.tolerations
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -185,6 +241,8 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
         "spec": {
             # Retries resume: complete files are kept, partial ones re-fetched.
             "backoffLimit": BACKOFF_LIMIT,
+            # All attempts together; past it the Job fails with reason DeadlineExceeded (diagnosis.py).
+            "activeDeadlineSeconds": prepare_deadline(mw, settings),
             # batch/v1 (GA since 1.31; needs restartPolicy Never): which pod failures count.
             "podFailurePolicy": {"rules": [
                 # The worker rejected its input: fail the Job now, not after 3 retries with back-off.
@@ -194,7 +252,7 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
                 # (Crashes and OOM kills count against backoffLimit as usual.)
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels}, "spec": _pod_spec(settings, [container], volumes, token=True)},
         },
     }
 
@@ -208,37 +266,27 @@ def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: Work
     """A Job that removes a superseded artifact's directory (staging and artifact) from the claim:
     the operator never mounts claims itself. With `s3_uri`, also the objects of
     that artifact's manifest (`ferry delete-artifact`: exactly what Ferry wrote)."""
-    target = f"{WEIGHTS_MOUNT}/{sub_path(mw)}/{digest}"
+    target = f"{WEIGHTS_MOUNT}/{digest_dir(mw, digest)}"  # this object's own: its uid is in the path
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "gc"}
     command = ["rm", "-rf", "--one-file-system", target]
+    env = instance_credentials_env(settings)
     if s3_uri is not None:
         command = ["sh", "-c", 'ferry delete-artifact "$0" && exec rm -rf --one-file-system "$1"', s3_uri, target]
+        env = storage_s3_env(mw) + env
     container = {
-        "name": "gc", "image": settings.image, "command": command,
-        "env": storage_s3_env(mw) if s3_uri is not None else [],
-        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
+        "name": "gc", "image": settings.image, "command": command, "env": env,
+        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT}],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": _container_security(),
     }
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": settings.service_account, "automountServiceAccountToken": False,
-        "restartPolicy": "Never",
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
-        "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}},
-                    {"name": "tmp", "emptyDir": {}}],
-    }
-    if settings.node_selector:
-        pod_spec["nodeSelector"] = settings.node_selector
-    if settings.tolerations:
-        pod_spec["tolerations"] = settings.tolerations
+    volumes = [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}}]
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": cleanup_job_name(mw, digest), "labels": labels,
                          "ownerReferences": [owner_reference(mw, uid)], "annotations": {"ferry.dev/removes": digest}},
             "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
-                     "template": {"metadata": {"labels": labels}, "spec": pod_spec}}}
+                     "activeDeadlineSeconds": CLEANUP_DEADLINE_S,
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": _pod_spec(settings, [container], volumes, token=False)}}}
 
 
 def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, Any]]:
@@ -253,17 +301,41 @@ def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, 
     ]
 
 
-def parse_result(message: str | None) -> dict[str, Any] | None:
-    """A step's result from its termination message; None if absent or not Ferry's JSON."""
-    if not message:
+@dataclass(frozen=True)
+class StepResult:
+    """What a step's worker reports (its termination message): the manifest's digest and size."""
+
+    manifest_digest: str
+    total_bytes: int
+
+
+class MalformedResult(ValueError):
+    """A termination message that is not a step result as the worker writes it."""
+
+
+_MANIFEST_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # fullmatch: "$" would let a trailing newline by
+
+
+def parse_result(message: str | None) -> StepResult | None:
+    """A step's result from its termination message; None if there is none. Strict: the operator records
+    these facts and the loaders check files against the digest, so anything else raises MalformedResult."""
+    if not message or not message.strip():
         return None
     try:
         result = json.loads(message)
     except ValueError:
-        return None
-    if not isinstance(result, dict) or "manifestDigest" not in result:
-        return None
-    return result
+        raise MalformedResult(f"not JSON: {redact(message.strip())[:80]!r}") from None
+    if not isinstance(result, dict):
+        raise MalformedResult(f"not a JSON object but {type(result).__name__}")
+    for key in ("manifestDigest", "totalBytes"):
+        if key not in result:
+            raise MalformedResult(f"no {key} in {redact(str(sorted(result)[:8]))}")
+    digest, size = result["manifestDigest"], result["totalBytes"]
+    if not isinstance(digest, str) or not _MANIFEST_DIGEST.fullmatch(digest):
+        raise MalformedResult(f"manifestDigest {redact(repr(digest))[:80]} is not sha256:<64 hex digits>")
+    if type(size) is not int or size < 0:  # not bool, not float
+        raise MalformedResult(f"totalBytes {redact(repr(size))[:40]} is not a non-negative integer")
+    return StepResult(manifest_digest=digest, total_bytes=size)
 
 
 def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings) -> dict[str, Any]:
@@ -274,24 +346,14 @@ def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings)
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "delete"}
     container = {
         "name": "delete", "image": settings.image, "command": ["ferry"], "args": ["delete-artifact", uri],
-        "env": storage_s3_env(mw), "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "env": storage_s3_env(mw) + instance_credentials_env(settings),
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        "securityContext": _container_security(),
     }
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": settings.service_account, "automountServiceAccountToken": False,
-        "restartPolicy": "Never",
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}],
-    }
-    if settings.node_selector:
-        pod_spec["nodeSelector"] = settings.node_selector
-    if settings.tolerations:
-        pod_spec["tolerations"] = settings.tolerations
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": dns_name(mw.metadata.name, "delete", digest[:8]), "labels": labels,
                          "annotations": {"ferry.dev/removes": uri}},
             "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
-                     "template": {"metadata": {"labels": labels}, "spec": pod_spec}}}
+                     "activeDeadlineSeconds": CLEANUP_DEADLINE_S,
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": _pod_spec(settings, [container], [], token=False, claim=False)}}}

@@ -1,9 +1,11 @@
 """The kubernetes executor: prepare steps as Jobs on a PVC (the Helm default).
 
 A thin adapter: the objects come from `jobs.py`, the reading of what the
-cluster says about them from `diagnosis.py`; this only creates and reads
-them. Create calls tolerate 409 so a restarted operator converges. Reads are
-the API's own JSON (no client models), which is what `diagnosis` takes.
+cluster says about them from `diagnosis.py` (which counts only the pods the
+Job controller made for the Job, results included); this only creates and
+reads them. A file:// source is refused before any Job exists. Create calls
+tolerate 409 so a restarted operator converges. Reads are the API's own JSON
+(no client models), which is what `diagnosis` takes.
 Any other API error, a 403 included, propagates: the handlers report it.
 
 Jobs and their pods are read from `view` when the handlers give one (kopf
@@ -15,6 +17,7 @@ NotStarted once more and the create answers 409, which is success.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Callable, Protocol
 
 from kubernetes import client
@@ -22,7 +25,8 @@ from kubernetes.client.exceptions import ApiException
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..steps import Step, ferry_s3_artifacts
+from ..locations import claim_artifact_uri, ferry_s3_artifacts, is_ferry_s3_artifact
+from ..steps import Step, prepare_steps
 from . import diagnosis, jobs
 
 
@@ -43,6 +47,12 @@ def _read(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any] |
             return None
         raise
     return json.loads(response.data)
+
+
+def _makes_artifact(mw: ModelWeights, step: Step) -> bool:
+    """Whether this step's result is the artifact's (the last step's)."""
+    steps = prepare_steps(mw.spec)
+    return bool(steps) and steps[-1].id == step.id
 
 
 class ClusterView(Protocol):
@@ -84,32 +94,25 @@ class KubernetesExecutor:
         listed = _read(self.core.list_namespaced_pod, mw.metadata.namespace, label_selector=selector)
         return list((listed or {}).get("items") or [])
 
-    def _messages(self, mw: ModelWeights, step: Step) -> list[str]:
-        out = []
-        pods = self._pods(mw, step)
-        for pod in sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
-            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-                term = (cs.get("state") or {}).get("terminated") or {}
-                if term.get("message"):
-                    out.append(term["message"].strip())
-        return out
-
     def observe(self, mw: ModelWeights, step: Step) -> StepState:
+        refused = jobs.unsupported_source(mw)
+        if refused is not None:  # before any Job: a Job would read the pod's own files
+            return StepState(StepPhase.FAILED, refused, reason=diagnosis.UNSUPPORTED_SOURCE)
         ns = mw.metadata.namespace
         job = self._job(mw, step)
         if job is None:
             return StepState(StepPhase.NOT_STARTED)
         if job["metadata"].get("deletionTimestamp"):
             return StepState(StepPhase.RUNNING, "the failed attempt's Job is being removed", reason="Retrying")
-        if any(c.get("type") == "Complete" and c.get("status") == "True"
-               for c in (job.get("status") or {}).get("conditions") or []):
-            return StepState(StepPhase.SUCCEEDED)
         pods = self._pods(mw, step)
         claims = {name: _read(self.core.read_namespaced_persistent_volume_claim, name, ns)
                   for name in diagnosis.claims_to_read(job, pods)}
         classes = {name: _read(self.storage.read_storage_class, name) is not None
                    for name in diagnosis.storage_classes_to_check(claims)}
-        return diagnosis.diagnose(job, pods, claims, classes)
+        state = diagnosis.diagnose(job, pods, claims, classes, needs_result=_makes_artifact(mw, step))
+        if state.phase == StepPhase.RUNNING:
+            state = replace(state, progress=diagnosis.reported_progress(job, pods))
+        return state
 
     def retry(self, mw: ModelWeights, step: Step) -> None:
         """Remove the failed Job and its pods (foreground): once it is gone the
@@ -132,12 +135,14 @@ class KubernetesExecutor:
                 except ApiException as exc:
                     if exc.status != 404:
                         raise
-        if artifact.uri.startswith("pvc://"):
-            _create(self.batch.create_namespaced_job, ns, jobs.cleanup_job_manifest(mw, digest, uid, self.settings))
-        elif artifact.uri.startswith("s3://"):
+        # Only what this object wrote: its own uid-carrying directory on the claim
+        # (never the recorded URI's), and an S3 prefix only if it is its own.
+        if is_ferry_s3_artifact(mw, artifact):
             # The objects its manifest names, then its staging on the claim.
             _create(self.batch.create_namespaced_job, ns,
                     jobs.cleanup_job_manifest(mw, digest, uid, self.settings, s3_uri=artifact.uri))
+        else:  # on the claim, or an S3 URI that is not its own: only its directory on the claim
+            _create(self.batch.create_namespaced_job, ns, jobs.cleanup_job_manifest(mw, digest, uid, self.settings))
 
     def delete(self, mw: ModelWeights) -> None:
         """deletionPolicy Delete: the claim goes by garbage collection (its owner
@@ -156,10 +161,19 @@ class KubernetesExecutor:
                 if exc.status != 404:
                     raise
 
+    def artifact_uri(self, mw: ModelWeights, last: Step) -> str:
+        """Where this executor writes the artifact of the spec `last` ends."""
+        return claim_artifact_uri(mw, last.digest)
+
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
-        for message in reversed(self._messages(mw, last)):
-            result = jobs.parse_result(message)
-            if result is not None:
-                return ArtifactFacts(uri=jobs.artifact_uri(mw, last.digest), total_bytes=int(result["totalBytes"]),
-                                     manifest_digest=result["manifestDigest"])
-        return None
+        """The last step's result, from its Job's own pods only (observe reports a malformed one)."""
+        job = self._job(mw, last)
+        if job is None:
+            return None
+        try:
+            result = diagnosis.step_result(job, self._pods(mw, last))
+        except jobs.MalformedResult:
+            return None
+        return None if result is None else ArtifactFacts(
+            uri=claim_artifact_uri(mw, last.digest), total_bytes=result.total_bytes,
+            manifest_digest=result.manifest_digest)

@@ -1,7 +1,7 @@
 """The local executor: prepare steps as processes on the operator's own host.
 
 Artifacts go to ROOT/<namespace>/<name>/<spec-digest>/artifact (staging beside
-it), or, for object-store formats, to storage.s3 (see steps.s3_artifact_uri),
+it), or, for object-store formats, to storage.s3 (see locations.s3_artifact_uri),
 with storage.s3's endpoint and the credentials of its Secret (read through the
 API, as the operator's own identity may) in the worker's environment; each step's lock, pid, log and exit code live in
 ROOT/<namespace>/<name>/.steps/<step-id>/ so the state survives an operator
@@ -22,9 +22,14 @@ from typing import Callable
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..steps import Step, ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
+from ..locations import ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
+from .redact import redact
+from ..steps import Step
 
 MANIFEST = "ferry-manifest.json"
+PROGRESS_FILE = "progress.json"  # the worker's FERRY_PROGRESS_FILE
+# A progress report is a few hundred bytes; anything larger is not one.
+MAX_PROGRESS_BYTES = 4096
 # Runs one step's worker: one line in `<step>.launches` per worker started,
 # the worker's output in its log, and its exit code in `rc`, renamed into
 # place while the step's lock (inherited, and held by the worker too) is still
@@ -44,10 +49,9 @@ exit $rc
 
 
 class LocalExecutor:
-    def __init__(self, root: Path, ferry_bin: str, kubeconfig: str | None = None):
+    def __init__(self, root: Path, ferry_bin: str):
         self.root = root
         self.ferry_bin = ferry_bin
-        self.kubeconfig = kubeconfig
         # Called with (namespace, name) once a worker this process started has
         # exited, so its ModelWeights is reconciled at once rather than at the next poll.
         self.on_exit: Callable[[str, str], None] | None = None
@@ -68,7 +72,7 @@ class LocalExecutor:
         if _held(state / "lock"):
             # The runner (or the worker) holds the lock the operator took before
             # launching it: running, whoever started it and whenever.
-            return StepState(StepPhase.RUNNING)
+            return StepState(StepPhase.RUNNING, progress=_progress(state / PROGRESS_FILE))
         if rc_file.exists():
             rc = int(rc_file.read_text())
             if rc == 0:
@@ -79,7 +83,7 @@ class LocalExecutor:
         if not pid_file.exists():
             return StepState(StepPhase.NOT_STARTED)
         if _alive(int(pid_file.read_text())):
-            return StepState(StepPhase.RUNNING)
+            return StepState(StepPhase.RUNNING, progress=_progress(state / PROGRESS_FILE))
         return StepState(StepPhase.FAILED, "worker process exited without recording a status", retryable=True)
 
     def retry(self, mw: ModelWeights, step: Step) -> None:
@@ -106,9 +110,12 @@ class LocalExecutor:
             return
         mapping = {"source": mw.spec.source.uri, **{k: str(v) for k, v in paths.items()},
                    "tensorizer_key": str(state / "tensorizer-key")}
-        env = {**os.environ, "FERRY_MODELWEIGHTS_NAME": name, "FERRY_MODELWEIGHTS_NAMESPACE": namespace,
-               "FERRY_RESULT_FILE": str(state / "result.json")}
-        s3 = s3_artifact_uri(mw.spec, namespace, name, step.digest)
+        # No cluster credentials: a worker parses untrusted bytes, and reports
+        # its progress into a file of its step that the operator copies.
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        env.update({"FERRY_RESULT_FILE": str(state / "result.json"),
+                    "FERRY_PROGRESS_FILE": str(state / PROGRESS_FILE)})
+        s3 = s3_artifact_uri(mw, step.digest)
         if s3 is not None:
             mapping["artifact"] = s3
             if step.name in ("tensorize", "publish"):
@@ -120,8 +127,6 @@ class LocalExecutor:
                     lock.close()
                     return
         argv = [self.ferry_bin, *(a.format(**mapping) for a in step.argv)]
-        if self.kubeconfig:
-            env["KUBECONFIG"] = self.kubeconfig
         (state / "argv.json").write_text(json.dumps(argv))
         with lock:
             proc = subprocess.Popen(
@@ -159,8 +164,13 @@ class LocalExecutor:
             path.write_text(value)
         return env
 
+    def artifact_uri(self, mw: ModelWeights, last: Step) -> str:
+        """Where this executor writes the artifact of the spec `last` ends."""
+        local = self._paths(mw.metadata.namespace, mw.metadata.name, last.digest)["artifact"]
+        return s3_artifact_uri(mw, last.digest) or f"file://{local}"
+
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
-        s3 = s3_artifact_uri(mw.spec, mw.metadata.namespace, mw.metadata.name, last.digest)
+        s3 = s3_artifact_uri(mw, last.digest)
         if s3 is not None:
             # The worker's result: the manifest it published, read back from the store.
             result = self._state(mw.metadata.namespace, mw.metadata.name, last.id) / "result.json"
@@ -226,6 +236,16 @@ def _secret(namespace: str, name: str) -> dict[str, str]:
     return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
 
+def _progress(path: Path) -> dict | None:
+    """The worker's last progress report (untrusted: the planner validates it), if any."""
+    try:
+        with open(path, "rb") as f:
+            body = json.loads(f.read(MAX_PROGRESS_BYTES + 1)[:MAX_PROGRESS_BYTES])
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def _held(lock: Path) -> bool:
     """Whether a live process holds the step's lock."""
     try:
@@ -254,4 +274,5 @@ def _alive(pid: int) -> bool:
 
 def _last_error(log: Path, rc: int) -> str:
     lines = [l for l in log.read_text(errors="replace").splitlines() if l.strip()] if log.exists() else []
-    return f"exit code {rc}: {lines[-1][:500]}" if lines else f"exit code {rc}"
+    # The log tail goes into conditions and Events: credential-looking strings never do.
+    return f"exit code {rc}: {redact(lines[-1])[:500]}" if lines else f"exit code {rc}"

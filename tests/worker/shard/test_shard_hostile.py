@@ -2,7 +2,9 @@
 refused with a message naming the problem, and never a manifest."""
 from __future__ import annotations
 
+import json
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from ferry_worker.manifest import MANIFEST_NAME
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
 
-from checkpoints import LLAMA3, LLAMA32_TIED, QWEN2, random_weights, to_dtype_bytes
+from checkpoints import LLAMA3, LLAMA32_TIED, QWEN2, QWEN3, random_weights, to_dtype_bytes
 
 
 def _no_artifact(output) -> bool:
@@ -135,3 +137,63 @@ def test_output_equal_to_the_source_is_refused(make_checkpoint, tmp_path):
     source, _ = make_checkpoint(LLAMA3)
     with pytest.raises(ShardError, match="must differ"):
         ShardJob.prepare(source, source, tp=2)
+
+
+def _edit_config(source, **edits) -> None:
+    """The checkpoint as written, its config.json claiming other sizes."""
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **edits}))
+
+
+BILLION = 1_000_000_000
+
+
+def test_a_billion_layers_is_refused_before_anything_is_sized_by_it(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(LLAMA3)
+    _edit_config(source, num_hidden_layers=BILLION)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardError) as refused:
+            ShardJob.prepare(source, tmp_path / "out", tp=2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(refused.value) == (f"config.json: num_hidden_layers is {BILLION}, but the checkpoint holds "
+                                  f"3 layer(s), numbered 0 to 2")
+    assert peak < 32 << 20  # a table with an entry per claimed layer would need tens of GiB
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case, edits, message", [
+    (LLAMA3, {"vocab_size": BILLION},
+     f"vocab_size is {BILLION}, but the checkpoint's model.embed_tokens.weight has 1000 on dim 0 (shape [1000, 128])"),
+    (LLAMA3, {"hidden_size": BILLION},
+     f"hidden_size is {BILLION}, but the checkpoint's model.embed_tokens.weight has 128 on dim 1 (shape [1000, 128])"),
+    (LLAMA3, {"intermediate_size": BILLION},
+     f"intermediate_size is {BILLION}, but the checkpoint's model.layers.0.mlp.gate_proj.weight has 256 on dim 0 (shape [256, 128])"),
+    (LLAMA32_TIED, {"num_attention_heads": BILLION},
+     f"num_attention_heads x head_dim is {BILLION} x 16 = {16 * BILLION}, "
+     f"but the checkpoint's model.layers.0.self_attn.q_proj.weight has 128 on dim 0 (shape [128, 128])"),
+    (LLAMA3, {"num_key_value_heads": BILLION},
+     f"num_key_value_heads x head_dim is {BILLION} x 16 = {16 * BILLION}, "
+     f"but the checkpoint's model.layers.0.self_attn.k_proj.weight has 32 on dim 0 (shape [32, 128])"),
+    (QWEN3, {"head_dim": BILLION},
+     f"num_attention_heads x head_dim is 8 x {BILLION} = {8 * BILLION}, "
+     f"but the checkpoint's model.layers.0.self_attn.q_proj.weight has 256 on dim 0 (shape [256, 128])"),
+    (LLAMA3, {"num_attention_heads": BILLION}, f"hidden_size 128 // num_attention_heads {BILLION} leaves head_dim 0"),
+    (LLAMA3, {"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer, got '2'"),
+    (LLAMA32_TIED, {"head_dim": -16}, "head_dim must be a positive integer, got -16"),
+], ids=["vocab", "hidden", "intermediate", "heads", "kv-heads", "head-dim", "heads-no-head-dim", "kv-not-int",
+        "negative-head-dim"])
+def test_config_sizes_the_tensors_contradict_are_named(make_checkpoint, tmp_path, case, edits, message):
+    source, _ = make_checkpoint(case)
+    _edit_config(source, **edits)
+    with pytest.raises(ShardError) as refused:
+        ShardJob.prepare(source, tmp_path / "out", tp=1)
+    assert str(refused.value) == f"config.json: {message}"
+
+
+def test_a_pipeline_size_past_the_layers_is_refused_before_it_is_allocated():
+    from ferry_worker.shard.model import pp_layer_ranges
+    with pytest.raises(ShardError, match=f"pipeline parallel size {BILLION} leaves a stage without layers"):
+        pp_layer_ranges(3, BILLION)

@@ -181,6 +181,7 @@ class TransferEngine:
         kept = self._keep_complete(file, final)
         if kept is not None:
             return kept
+        file = self._source.describe(file)  # the content check of a file that is really transferred
         partial = partial_name(final)
         partial.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(self._source, RangedSource):

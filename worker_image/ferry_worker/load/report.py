@@ -6,10 +6,8 @@ token into the loader's container only (TOKEN_DIR) and sets POD_NAME from the
 downward API. The token's ServiceAccount is bound to the ClusterRole
 `ferry-weights-reporter` (patch pods/status); the admission policy of the same
 name lets a pod-bound token of such an account change only that one condition,
-and only on its own pod (charts/ferry/templates/weights-reporter.yaml).
-
-The patch is a strategic merge patch of `status.conditions`, which merges by
-`type`: the kubelet's conditions are left as they are.
+and only on its own pod (charts/ferry/templates/weights-reporter.yaml); the
+patch itself is pod_status.set_condition.
 """
 from __future__ import annotations
 
@@ -19,12 +17,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..pod_status import STANDARD_TOKEN_DIR, connect, set_condition
+
 log = logging.getLogger(__name__)
 
 CONDITION = "ferry.dev/weights-loaded"
 TOKEN_DIR = Path("/var/run/secrets/ferry.dev/serviceaccount")
-STANDARD_TOKEN_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 # Reasons (CamelCase, as condition reasons are).
 LOADING = "Loading"
@@ -54,15 +52,8 @@ class PodConditionReporter:
 
     @classmethod
     def connect(cls, pod: str, token_dir: Path) -> "PodConditionReporter":
-        from kubernetes import client
-        from kubernetes.config.incluster_config import InClusterConfigLoader
-
-        configuration = client.Configuration()
-        # Re-reads the token file as the kubelet rotates it.
-        InClusterConfigLoader(token_filename=str(token_dir / "token"),
-                              cert_filename=str(token_dir / "ca.crt")).load_and_set(configuration)
-        namespace = (token_dir / "namespace").read_text().strip()
-        return cls(pod, namespace, client.CoreV1Api(client.ApiClient(configuration)))
+        core_api, namespace = connect(token_dir)
+        return cls(pod, namespace, core_api)
 
     def condition(self, loaded: bool, reason: str, message: str) -> dict[str, Any]:
         key = (loaded, reason)
@@ -73,29 +64,9 @@ class PodConditionReporter:
                 "message": message[:4096], "lastTransitionTime": self._since, "lastProbeTime": None}
 
     def report(self, loaded: bool, reason: str, message: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        body = {"status": {"conditions": [self.condition(loaded, reason, message)]}}
-        try:
-            self._api.patch_namespaced_pod_status(self.pod, self.namespace, body, field_manager="ferry-load",
-                                                  _content_type=STRATEGIC_MERGE_PATCH)
-        except ApiException as exc:
-            if exc.status in (401, 403):
-                raise PermissionError(
-                    f"cannot set condition {CONDITION} on pod {self.namespace}/{self.pod} ({exc.status} {exc.reason}: "
-                    f"{_message(exc)}): the pod's ServiceAccount needs Ferry's weights-reporter ClusterRole in this "
-                    "namespace (the operator binds it; see kubectl get rolebinding -l app.kubernetes.io/managed-by=ferry)"
-                ) from None
-            raise
-
-
-def _message(exc: Any) -> str:
-    import json
-
-    try:
-        return json.loads(exc.body).get("message", "")
-    except (TypeError, ValueError, AttributeError):
-        return str(exc.body or "")
+        set_condition(self._api, self.pod, self.namespace, self.condition(loaded, reason, message), "ferry-load",
+                      "the pod's ServiceAccount needs Ferry's weights-reporter ClusterRole in this namespace (the "
+                      "operator binds it; see kubectl get rolebinding -l app.kubernetes.io/managed-by=ferry)")
 
 
 def reporter_for(no_report: bool) -> Reporter:

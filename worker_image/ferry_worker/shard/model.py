@@ -32,17 +32,22 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, family: Family, config: dict) -> "ModelDims":
-        def required(key: str) -> int:
+        def required(key: str, default: int | None = None) -> int:
             value = config.get(key)
+            if value in (None, 0) and default is not None:  # vLLM reads these as `config.x or default`
+                return default
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
             return value
 
         hidden, heads = required("hidden_size"), required("num_attention_heads")
-        head_dim = config.get("head_dim") if family.head_dim_from_config else None
-        if head_dim is None:  # vLLM: `head_dim or hidden_size // num_attention_heads`
-            head_dim = hidden // heads
-        kv_heads = config.get("num_key_value_heads") or heads
+        # vLLM: `head_dim or hidden_size // num_attention_heads`
+        head_dim = hidden // heads
+        if family.head_dim_from_config:
+            head_dim = required("head_dim", default=head_dim)
+        if head_dim < 1:
+            raise ShardError(f"config.json: hidden_size {hidden} // num_attention_heads {heads} leaves head_dim 0")
+        kv_heads = required("num_key_value_heads", default=heads)
         return cls(
             hidden=hidden,
             heads=heads,
@@ -92,6 +97,8 @@ def pp_layer_ranges(layers: int, pp: int, partition: list[int] | None = None) ->
     `distributed/utils.get_pp_indices` computes them: an explicit partition
     (its VLLM_PP_LAYER_PARTITION), or an even split whose remainder goes to the
     stages before the last, counting back from the second-to-last."""
+    if partition is None and pp > layers:  # before a list of `pp` sizes is built
+        raise ShardError(f"pipeline parallel size {pp} leaves a stage without layers ({layers} layers)")
     if partition is not None:
         if len(partition) != pp or sum(partition) != layers or min(partition) < 0:
             raise ShardError(f"layer partition {partition} must have {pp} entries summing to {layers}")

@@ -16,6 +16,7 @@ files -> source), which is how the round trip proves the cut lossless.
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -29,6 +30,13 @@ LAYER_PREFIX = "model.layers.{i}."
 SCALE_DTYPE = "F32"
 # How many problem names an error message lists before summarising.
 MAX_LISTED = 20
+# The layer index of a decoder-layer tensor name; nine digits are past any real model.
+LAYER_INDEX = re.compile(r"model\.layers\.(\d{1,9})\.")
+# config.json's words for each symbolic dimension of the layout tables.
+CONFIG_SIZES = {
+    "vocab": "vocab_size", "hidden": "hidden_size", "intermediate": "intermediate_size", "head_dim": "head_dim",
+    "q": "num_attention_heads x head_dim", "kv": "num_key_value_heads x head_dim",
+}
 
 
 @dataclass(frozen=True)
@@ -129,8 +137,9 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
         raise ShardError(f"config.json sets {', '.join(refused)}: vLLM builds modules for it that "
                          f"ferry shard has no layout for")
     dims = ModelDims.from_config(family, config)
-    dims.check_tensor_parallel(tp)
     flags = {name: flag.value(config) for name, flag in family.flags.items()}
+    check_dims_against_checkpoint(family, dims, flags, tensors)
+    dims.check_tensor_parallel(tp)
     skipped, tied_copies = _check_sources(family, dims, flags, tensors)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
     cutter = _Cutter(dims, tp, tensors)
@@ -156,6 +165,55 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool])
                 for source in param.sources:
                     expected[LAYER_PREFIX.format(i=i) + source.hf_name] = dims.shape(source.shape)
     return expected
+
+
+def check_dims_against_checkpoint(family: Family, dims: ModelDims, flags: Mapping[str, bool],
+                                  tensors: Mapping[str, TensorSpec]) -> None:
+    """Refuse config.json sizes that the checkpoint's tensors contradict, before
+    any table or loop is sized by them (a config may claim a billion layers).
+
+    The layer count may not exceed the layers the checkpoint holds tensors for
+    (fewer is refused later, naming the unexpected tensors); each size must be
+    the extent of the first tensor that uses it (the embedding's rows are
+    vocab_size, layer 0's q_proj rows num_attention_heads x head_dim, ...).
+    """
+    indices = {int(m.group(1)) for name in tensors if (m := LAYER_INDEX.match(name))}
+    if dims.layers > len(indices):
+        held = f"{len(indices)} layer(s), numbered 0 to {max(indices)}" if indices else "no model.layers.* tensors"
+        raise ShardError(f"config.json: num_hidden_layers is {dims.layers}, but the checkpoint holds {held}")
+    for symbol, (name, axis) in _first_use_of_each_size(family, dims, flags, tensors).items():
+        extent = tensors[name].shape[axis]
+        if extent != dims.size(symbol):
+            raise ShardError(f"config.json: {CONFIG_SIZES[symbol]} is {_size_expression(dims, symbol)}, but the "
+                             f"checkpoint's {name} has {extent} on dim {axis} (shape {list(tensors[name].shape)})")
+
+
+def _first_use_of_each_size(family: Family, dims: ModelDims, flags: Mapping[str, bool],
+                            tensors: Mapping[str, TensorSpec]) -> dict[str, tuple[str, int]]:
+    """symbol -> (tensor name, axis) of the first checkpoint tensor, in table
+    order (layer 0 for the layers), whose shape uses it. Tensors absent or of
+    another rank are left to the full check that follows."""
+    layer0 = LAYER_PREFIX.format(i=0)
+    sources = [s for p in family.pre_layer_params for s in _model_param_sources(p, dims)]
+    sources += [Source(layer0 + s.hf_name, s.shape, s.split) for p in family.layer_params
+                if p.when is None or flags[p.when] for s in p.sources]
+    sources += [s for p in family.post_layer_params for s in _model_param_sources(p, dims)]
+    found: dict[str, tuple[str, int]] = {}
+    for source in sources:
+        spec = tensors.get(source.hf_name)
+        if spec is None or len(spec.shape) != len(source.shape):
+            continue
+        for axis, symbol in enumerate(source.shape):
+            found.setdefault(symbol, (source.hf_name, axis))
+    return found
+
+
+def _size_expression(dims: ModelDims, symbol: str) -> str:
+    if symbol == "q":
+        return f"{dims.heads} x {dims.head_dim} = {dims.size(symbol)}"
+    if symbol == "kv":
+        return f"{dims.kv_heads} x {dims.head_dim} = {dims.size(symbol)}"
+    return str(dims.size(symbol))
 
 
 def _model_param_sources(param: Param, dims: ModelDims) -> tuple[Source, ...]:

@@ -34,8 +34,8 @@ def open_source(uri: str, *, revision: str | None, staging: Path, max_connection
         raise BadSourceError(f"{uri}: --revision applies to hf:// sources only")
     if scheme == "file":
         path = Path(uri[len("file://"):])
-        if not path.is_absolute():
-            raise BadSourceError(f"{uri}: file:// needs an absolute path (file:///path)")
+        if not path.is_absolute() or ".." in path.parts:
+            raise BadSourceError(f"{uri}: file:// needs an absolute path without '..' (file:///path)")
         return LocalSource(path, uri)
     if scheme == "pvc":
         return LocalSource(pvc_path(uri), uri)

@@ -49,6 +49,13 @@ class Source(ABC):
     def list_files(self) -> list[RemoteFile]:
         """Every file of the checkpoint, with paths already checked."""
 
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        """`file` as listed plus what the source can say about its content beyond
+        the listing (digests to verify it against), asked for just before `file`
+        is transferred: a listing costs one call per page, never one per object,
+        however many objects a prefix holds. By default the listing says it all."""
+        return file
+
 
 class RangedSource(Source):
     @abstractmethod

@@ -72,7 +72,10 @@ def offline_snapshot(repo_id: str, revision: str, uri: str) -> LocalSource:
         folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError as e:
         raise SourceError(f"{uri}: offline mode and revision {revision!r} is not in the local Hub cache: {e}") from None
-    return LocalSource(folder, uri, revision=folder.name)  # snapshot folders are named by commit
+    # Snapshot folders are named by commit; their files link into the repository's blob store
+    # (models--org--name/blobs), which huggingface_hub wrote: links may point there.
+    folder = folder.resolve()
+    return LocalSource(folder, uri, revision=folder.name, links_within=folder.parents[1])
 
 
 def _progress_class(on_bytes: Callable[[int], None]) -> Any:

@@ -1,5 +1,10 @@
 """s3://bucket/prefix through boto3: listing, per-object checksums, ranged GETs.
 
+Listing is ListObjectsV2 alone (its Size and ETag): no request per object, so
+a prefix holding a million objects costs a thousand pages, not a million HEADs.
+A file is HEADed once, when its transfer starts (`describe`), for its checksum
+and to see that it still has the listed ETag and size.
+
 Consistency: every ranged GET carries `If-Match: <ETag from the listing>` and
 its response ETag is compared again (some S3-compatible servers ignore
 If-Match), so parts of two versions of an object are never stitched together.
@@ -21,9 +26,9 @@ stores expect.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import boto3
@@ -38,7 +43,8 @@ _MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})"?$')
 _KMS = {"aws:kms", "aws:kms:dsse"}
 # Cheapest to verify first (see fetch/digests.py).
 _CRC_FIELDS = (("ChecksumCRC64NVME", "crc64nvme"), ("ChecksumCRC32C", "crc32c"), ("ChecksumCRC32", "crc32"))
-HEAD_WORKERS = 8
+# Connections beyond the ranged GETs: the HEAD of each file as its transfer starts.
+DESCRIBE_CONNECTIONS = 4
 
 
 def s3_client(max_connections: int) -> Any:
@@ -72,29 +78,29 @@ class S3Source(RangedSource):
             raise BadSourceError(f"{uri}: no bucket")
         if prefix and not prefix.endswith("/"):
             prefix += "/"  # s3://b/llama must not match s3://b/llama-2/...
-        return cls(bucket, prefix, uri, s3_client(max_connections + HEAD_WORKERS))
+        return cls(bucket, prefix, uri, s3_client(max_connections + DESCRIBE_CONNECTIONS))
 
     def list_files(self) -> list[RemoteFile]:
-        listed: list[tuple[str, dict]] = []
+        files: list[RemoteFile] = []
         for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
             for obj in page.get("Contents", []):
                 key = obj["Key"]
                 if key.endswith("/") and obj["Size"] == 0:
                     continue  # a "folder" marker, not a file
-                listed.append((safe_relative_path(key[len(self.prefix):], origin=self.uri), obj))
-        if not listed:
+                rel = safe_relative_path(key[len(self.prefix):], origin=self.uri)
+                files.append(RemoteFile(path=rel, size=obj["Size"], version=obj["ETag"]))
+        if not files:
             raise BadSourceError(f"{self.uri}: no objects under this prefix")
-        with ThreadPoolExecutor(HEAD_WORKERS) as pool:
-            return list(pool.map(lambda item: self._describe(*item), listed))
+        return files
 
-    def _describe(self, rel: str, listed: dict) -> RemoteFile:
-        key = self.prefix + rel
-        head = self._client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
-        etag = listed["ETag"]
-        if head["ETag"] != etag or head["ContentLength"] != listed["Size"]:
-            raise SourceError(f"{self.uri}: {rel} changed while it was being listed")
+    def describe(self, file: RemoteFile) -> RemoteFile:
+        """The listed file with the checksum its HEAD advertises; refused if it changed since the listing."""
+        head = self._client.head_object(Bucket=self.bucket, Key=self.prefix + file.path, ChecksumMode="ENABLED")
+        if head["ETag"] != file.version or head["ContentLength"] != file.size:
+            raise SourceError(f"{self.uri}: {file.path} changed since it was listed (ETag {head['ETag']}, "
+                              f"{head['ContentLength']} bytes; listed {file.version}, {file.size} bytes)")
         sha256, digests = self._content_check(head)
-        return RemoteFile(path=rel, size=listed["Size"], version=etag, sha256=sha256, digests=digests)
+        return dataclasses.replace(file, sha256=sha256, digests=digests)
 
     @staticmethod
     def _content_check(head: dict) -> tuple[str | None, dict[str, str]]:
