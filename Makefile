@@ -80,6 +80,7 @@ bench: venv s3server
 	$(PY) bench/fetch_s3.py
 	$(PY) bench/shard_bench.py
 	$(PY) bench/operator_scale.py --objects 100
+	$(PY) bench/header_bench.py
 
 clean: cluster-down
 	rm -rf $(VENV) .ferry

@@ -509,12 +509,25 @@ def test_a_malformed_result_from_the_jobs_own_pod_fails_the_step(pods, words):
 
 # --- the executor: observe and artifact, from the watch indexes ------------------------------------
 
-def executor(job, pods):
-    """The kubernetes executor reading `job` and `pods` from the handlers' index view (no API calls)."""
+def executor(job, pods, claims=None):
+    """The kubernetes executor reading `job` and `pods` from the handlers' index view, and claims
+    (name -> the claim's JSON) from a stand-in for the one GET it makes of them."""
+    from kubernetes.client.exceptions import ApiException
+
     from ferry_operator.executors.kubernetes import KubernetesExecutor
     from ferry_operator.handlers import IndexView
 
+    class Response:
+        def __init__(self, body):
+            self.data = json.dumps(body).encode()
+
+    def read_claim(name, namespace, _preload_content=True):
+        if name not in (claims or {}):
+            raise ApiException(status=404)
+        return Response(claims[name])
+
     ex = KubernetesExecutor(SETTINGS)
+    ex.core.read_namespaced_persistent_volume_claim = read_claim
     name = job["metadata"]["name"] if job else JOB_NAME
     ex.view = IndexView({("ml", name): [job]} if job else {}, {("ml", name): list(pods)})
     return ex
@@ -716,3 +729,16 @@ def test_progress_is_read_from_the_jobs_own_pods_only():
     assert reported_progress(job, [pod("job-uid", "not json")]) is None
     assert reported_progress(job, [pod("job-uid", '["a list"]')]) is None
     assert reported_progress(job, [pod("job-uid", '{"step": "' + "x" * 5000 + '"}')]) is None
+
+
+def test_a_claim_ferry_would_create_that_exists_and_is_another_ones_is_never_used():
+    m = parse({**manifest(), "metadata": {"name": "llama", "namespace": "ml", "uid": "mw-uid"}})
+    step = prepare_steps(m.spec)[0]
+    theirs = {"metadata": {"name": "llama-weights", "labels": {"team": "b"}}}
+    ex = executor(None, [], claims={"llama-weights": theirs})
+    state = ex.observe(m, step)
+    assert (state.phase, state.reason) == (StepPhase.FAILED, "ClaimNotOwned") and not state.retryable
+    assert "claim llama-weights already exists and is not this ModelWeights'" in state.message
+    ours = {"metadata": {"name": "llama-weights", "labels": {jobs.LABEL_MW: "llama"}}}
+    assert executor(None, [], claims={"llama-weights": ours}).observe(m, step).phase == StepPhase.NOT_STARTED
+    assert executor(None, [], claims={}).observe(m, step).phase == StepPhase.NOT_STARTED

@@ -99,9 +99,11 @@ def test_kubernetes_executor_removes_superseded_jobs_and_data(crd, namespace, tm
             return (fetches, cleanups) if fetches == set(digests) - set(removed) and set(cleanups) == set(removed) \
                 else None
         fetches, cleanups = wait_for(settled, "old Jobs gone and cleanup Jobs created", timeout=60)
+        uid = crd.get_json("mw", "gc", "-n", namespace)["metadata"]["uid"]
         for digest, job in cleanups.items():
             (c,) = job["spec"]["template"]["spec"]["containers"]
-            assert c["command"] == ["rm", "-rf", "--one-file-system", f"/weights/gc/{digest}"]
+            # Its own directory only: the uid in the path keeps another object's on the claim out of reach.
+            assert c["command"] == ["rm", "-rf", "--one-file-system", f"/weights/gc/{uid}/{digest}"]
             assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "gc-weights"
 
 

@@ -84,11 +84,12 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     (c,) = pod["containers"]
     digest_dir = c["args"][c["args"].index("--output") + 1].removesuffix("/staging")
     assert c["args"][:4] == ["fetch", "--source", "hf://org/tiny-llama", "--output"]
-    assert digest_dir.startswith("/weights/llama/")
+    assert digest_dir.startswith(f"/weights/llama/{mw['metadata']['uid']}/")  # this object's own directory
     assert c["image"] == IMAGE and pod["serviceAccountName"] == "ferry-worker"
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
-    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}} \
+        in c["env"]  # the worker reports progress on its own pod
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}}
     assert fetch["metadata"]["ownerReferences"][0]["uid"] == mw["metadata"]["uid"]
 

@@ -80,7 +80,8 @@ def test_prepared_into_s3_wired_and_deleted(crd, namespace, operator, s3, tmp_pa
     status = wait_for(ready, "tiny Ready", timeout=240)
 
     artifact = status["artifact"]
-    prefix = f"models/{namespace}/tiny/{artifact['specDigest']}/"
+    uid = crd.get_json("mw", "tiny", "-n", namespace)["metadata"]["uid"]
+    prefix = f"models/{namespace}/tiny/{uid}/{artifact['specDigest']}/"
     assert artifact["uri"] == f"s3://{BUCKET}/{prefix}".rstrip("/")
     stored = keys(s3, prefix)
     assert files | {"ferry-manifest.json", "config.json", "tokenizer.json"} <= stored, stored

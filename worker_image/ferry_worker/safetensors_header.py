@@ -173,7 +173,7 @@ def _parse_header_object(text: str, fail) -> dict:
     """The top-level JSON object, read entry by entry so that its entry count is
     refused at MAX_HEADER_ENTRIES, not after parsing everything behind it.
     `__metadata__` is read the same way and counts against the same cap."""
-    budget = [MAX_HEADER_ENTRIES]
+    budget = [MAX_HEADER_ENTRIES]  # entries still allowed, shared by the header and its __metadata__
     body, end = _parse_object(text, 0, fail, budget, top_level=True)
     if _skip_whitespace(text, end) != len(text):
         raise ValueError(f"extra data at char {_skip_whitespace(text, end)}")

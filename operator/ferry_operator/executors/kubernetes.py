@@ -101,7 +101,7 @@ class KubernetesExecutor:
         ns = mw.metadata.namespace
         job = self._job(mw, step)
         if job is None:
-            return StepState(StepPhase.NOT_STARTED)
+            return self._claim_not_owned(mw) or StepState(StepPhase.NOT_STARTED)
         if job["metadata"].get("deletionTimestamp"):
             return StepState(StepPhase.RUNNING, "the failed attempt's Job is being removed", reason="Retrying")
         pods = self._pods(mw, step)
@@ -113,6 +113,23 @@ class KubernetesExecutor:
         if state.phase == StepPhase.RUNNING:
             state = replace(state, progress=diagnosis.reported_progress(job, pods))
         return state
+
+    def _claim_not_owned(self, mw: ModelWeights) -> StepState | None:
+        """A claim Ferry is to create (storage.pvc.size) that already exists and is
+        not this ModelWeights': never written into (it may be another team's).
+        A claim named in storage.pvc.name is authorised as the user at admission."""
+        wanted = jobs.pvc_manifest(mw, "")
+        if wanted is None:
+            return None
+        name = wanted["metadata"]["name"]
+        found = _read(self.core.read_namespaced_persistent_volume_claim, name, mw.metadata.namespace)
+        owner = ((found or {}).get("metadata", {}).get("labels") or {}).get(jobs.LABEL_MW)
+        if found is None or owner == mw.metadata.name:
+            return None
+        return StepState(StepPhase.FAILED, reason="ClaimNotOwned", message=(
+            f"claim {name} already exists and is not this ModelWeights' (its label {jobs.LABEL_MW} is "
+            f"{owner!r}): Ferry creates a claim only under a free name. Name a claim you may use in "
+            "storage.pvc.name (without size to reuse it), or free the name"))
 
     def retry(self, mw: ModelWeights, step: Step) -> None:
         """Remove the failed Job and its pods (foreground): once it is gone the

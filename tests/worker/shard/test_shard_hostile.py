@@ -170,7 +170,8 @@ def test_a_billion_layers_is_refused_before_anything_is_sized_by_it(make_checkpo
     (LLAMA3, {"hidden_size": BILLION},
      f"hidden_size is {BILLION}, but the checkpoint's model.embed_tokens.weight has 128 on dim 1 (shape [1000, 128])"),
     (LLAMA3, {"intermediate_size": BILLION},
-     f"intermediate_size is {BILLION}, but the checkpoint's model.layers.0.mlp.gate_proj.weight has 256 on dim 0 (shape [256, 128])"),
+     f"intermediate_size is {BILLION}, but the checkpoint's model.layers.0.mlp.gate_proj.weight has 256 on dim 0 "
+     f"(shape [256, 128])"),
     (LLAMA32_TIED, {"num_attention_heads": BILLION},
      f"num_attention_heads x head_dim is {BILLION} x 16 = {16 * BILLION}, "
      f"but the checkpoint's model.layers.0.self_attn.q_proj.weight has 128 on dim 0 (shape [128, 128])"),
@@ -195,5 +196,11 @@ def test_config_sizes_the_tensors_contradict_are_named(make_checkpoint, tmp_path
 
 def test_a_pipeline_size_past_the_layers_is_refused_before_it_is_allocated():
     from ferry_worker.shard.model import pp_layer_ranges
-    with pytest.raises(ShardError, match=f"pipeline parallel size {BILLION} leaves a stage without layers"):
-        pp_layer_ranges(3, BILLION)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardError, match=f"pipeline parallel size {BILLION} leaves a stage without layers"):
+            pp_layer_ranges(3, BILLION)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # not a list of a billion stage sizes
