@@ -119,22 +119,29 @@ def import_images(node: "localnode.Node", images: dict[str, dict[str, str]]) -> 
 ADMISSION_TEMPLATES = ("templates/admission.yaml", "templates/weights-reporter.yaml")
 
 
+def render_chart(release: str, *templates: str) -> list[dict]:
+    """The chart's objects (those of `templates`, e.g. templates/rbac.yaml) as
+    `helm template` renders them for `release` in namespace ferry-system."""
+    import yaml  # the venv's; `make cluster-down` runs this module with the system python
+
+    argv = [str(binaries() / "helm"), "template", release, str(REPO / "charts/ferry"), "--namespace", "ferry-system",
+            "--kube-version", "1.34.0"]
+    for template in templates:
+        argv += ["--show-only", template]
+    rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
 def apply_admission_policies(release: str, kubeconfig: Path = KUBECONFIG) -> str:
     """The chart's admission policies (references authorised as the user; pods
     report on themselves only) rendered for `release` and applied: an operator
     run outside the chart refuses to act without them. Returns their names as
     FERRY_ADMISSION_POLICIES takes them."""
-    import yaml  # the venv's; `make cluster-down` runs this module with the system python
-
-    argv = [str(binaries() / "helm"), "template", release, str(REPO / "charts/ferry"), "--namespace", "ferry-system",
-            "--kube-version", "1.34.0"]
-    for template in ADMISSION_TEMPLATES:
-        argv += ["--show-only", template]
-    rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    subprocess.run([kubectl_path(), "--kubeconfig", str(kubeconfig), "apply", "-f", "-"], input=rendered,
+    objects = render_chart(release, *ADMISSION_TEMPLATES)
+    subprocess.run([kubectl_path(), "--kubeconfig", str(kubeconfig), "apply", "-f", "-"],
+                   input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}),
                    capture_output=True, text=True, check=True)
-    return ",".join(d["metadata"]["name"] for d in yaml.safe_load_all(rendered)
-                    if d and d["kind"] == "ValidatingAdmissionPolicy")
+    return ",".join(d["metadata"]["name"] for d in objects if d["kind"] == "ValidatingAdmissionPolicy")
 
 
 def kubectl_path() -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import subprocess
 from pathlib import Path
 
 import yaml
@@ -14,16 +13,12 @@ import yaml
 import localcluster
 from cluster_support import Kube
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def chart_operator_role() -> dict:
     """The chart's operator ClusterRole, as helm renders it."""
-    out = subprocess.run([str(localcluster.binaries() / "helm"), "template", "ferry", str(REPO / "charts/ferry"),
-                          "--namespace", "ferry-system", "--kube-version", "1.34.0",
-                          "--show-only", "templates/rbac.yaml"], capture_output=True, text=True, check=True)
-    (role,) = [d for d in yaml.safe_load_all(out.stdout)
-               if d and d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ferry-operator"]
+    (role,) = [d for d in localcluster.render_chart("ferry", "templates/rbac.yaml")
+               if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ferry-operator"]
     return role
 
 

@@ -13,31 +13,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
-import yaml
 
 import localcluster
 from cluster_support import Kube, wait_for
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parent.parent
 RELEASE = "refs-test"  # not "ferry": tests/test_chart.py installs that release
 POLICY = f"{RELEASE}-ferry-references"
 USER = "dev-a"
 
 
-def chart_admission_objects() -> list[dict]:
-    out = subprocess.run([str(localcluster.binaries() / "helm"), "template", RELEASE, str(REPO / "charts/ferry"),
-                          "--namespace", "ferry-system", "--kube-version", "1.34.0",
-                          "--show-only", "templates/admission.yaml"], capture_output=True, text=True, check=True)
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def references_policy(crd: Kube):
-    objects = chart_admission_objects()
+    objects = localcluster.render_chart(RELEASE, "templates/admission.yaml")
     assert {(o["kind"], o["metadata"]["name"]) for o in objects} == {
         ("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)}
     for o in objects:

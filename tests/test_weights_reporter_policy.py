@@ -9,7 +9,6 @@ patches.
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from cluster_support import Kube, wait_for
 from ferry_worker.load.report import CONDITION, PodConditionReporter
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parent.parent
 
 
 # A release name of its own: tests/test_chart.py installs "ferry", whose objects these would collide with.
@@ -28,16 +26,9 @@ RELEASE = "policy-test"
 ROLE = f"{RELEASE}-ferry-weights-reporter"
 
 
-def chart_reporter_objects() -> list[dict]:
-    out = subprocess.run([str(localcluster.binaries() / "helm"), "template", RELEASE, str(REPO / "charts/ferry"),
-                          "--namespace", "ferry-system", "--kube-version", "1.34.0",
-                          "--show-only", "templates/weights-reporter.yaml"], capture_output=True, text=True, check=True)
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def reporter_policy(kube: Kube):
-    objects = chart_reporter_objects()
+    objects = localcluster.render_chart(RELEASE, "templates/weights-reporter.yaml")
     assert {o["kind"] for o in objects} == {"ClusterRole", "ValidatingAdmissionPolicy",
                                             "ValidatingAdmissionPolicyBinding"}
     assert {o["metadata"]["name"] for o in objects} == {ROLE}

@@ -10,29 +10,22 @@ included, nor another pod.
 from __future__ import annotations
 
 import json
-import subprocess
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
-import yaml
 
 import localcluster
-from cluster_support import Kube, admission_policies, wait_for
+from cluster_support import TEST_RELEASE, Kube, admission_policies, wait_for
 from ferry_worker.progress import Snapshot
 from ferry_worker.progress_report import CONDITION, PodProgress
-from test_weights_reporter_policy import reporter, serving_pod, token_dir
+from test_weights_reporter_policy import _ok, reporter, serving_pod, token_dir
 
 pytestmark = pytest.mark.cluster
-REPO = Path(__file__).resolve().parent.parent
 
 
 def chart_worker_role() -> dict:
-    out = subprocess.run([str(localcluster.binaries() / "helm"), "template", "ferry-tests", str(REPO / "charts/ferry"),
-                          "--namespace", "ferry-system", "--kube-version", "1.34.0",
-                          "--show-only", "templates/rbac.yaml"], capture_output=True, text=True, check=True)
-    (role,) = [d for d in yaml.safe_load_all(out.stdout)
-               if d and d["kind"] == "ClusterRole" and d["metadata"]["name"] == "ferry-tests-worker"]
+    (role,) = [d for d in localcluster.render_chart(TEST_RELEASE, "templates/rbac.yaml")
+               if d["kind"] == "ClusterRole" and d["metadata"]["name"] == f"{TEST_RELEASE}-worker"]
     return role
 
 
@@ -43,7 +36,8 @@ def worker(crd: Kube, namespace: str) -> str:
     crd.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "serving", "namespace": namespace}})
     crd.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                "metadata": {"name": "ferry-worker", "namespace": namespace},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "ferry-tests-worker"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": f"{TEST_RELEASE}-worker"},
                "subjects": [{"kind": "ServiceAccount", "name": "serving", "namespace": namespace}]})
     crd.apply({"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
                "metadata": {"name": "llama", "namespace": namespace},
@@ -60,7 +54,7 @@ def test_a_worker_reports_progress_on_its_own_pod_and_cannot_touch_any_modelweig
                                                                                    monkeypatch):
     namespace = worker
     # Pods on kwok: the pod objects are what matter here.
-    a, b = serving_pod(crd, namespace, "fetch-a"), serving_pod(crd, namespace, "fetch-b")
+    a, _ = serving_pod(crd, namespace, "fetch-a"), serving_pod(crd, namespace, "fetch-b")
     tokens = token_dir(crd, namespace, tmp_path, a)
     api = reporter(crd, "fetch-a", tokens, monkeypatch)._api  # the in-cluster client, as in the pod
     own = PodProgress("fetch-a", namespace, api)
@@ -89,11 +83,3 @@ def test_a_worker_reports_progress_on_its_own_pod_and_cannot_touch_any_modelweig
             call()
         assert denied.value.status == 403
     assert "artifact" not in (crd.get_json("mw", "llama", "-n", namespace).get("status") or {})
-
-
-def _ok(fn) -> bool:
-    try:
-        fn()
-        return True
-    except PermissionError:
-        return False

@@ -107,6 +107,13 @@ def upload_dir(s3: S3Server, bucket: str, prefix: str, directory: Path) -> None:
             client.upload_file(str(f), bucket, f"{prefix}/{f.relative_to(directory)}")
 
 
+def claim_dir(kube: Kube, claim: str) -> Path:
+    """The host directory behind a claim the local-path provisioner bound."""
+    pvc = kube.get_json("pvc", claim, "-n", NAMESPACE)
+    pv = kube.get_json("pv", pvc["spec"]["volumeName"])
+    return Path((pv["spec"].get("hostPath") or pv["spec"].get("local"))["path"])
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 

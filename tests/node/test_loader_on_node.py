@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
 import localcluster
 import localnode
 from cluster_support import wait_for
-from node_support import NAMESPACE, condition, modelweights, mw_status, s3_secret, unique, upload_dir, wait_ready
+from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, s3_secret, unique, upload_dir,
+                          wait_ready)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 GATE = "ferry.dev/weights-loaded"
@@ -29,12 +29,6 @@ echo "vllm $*"
 mkdir -p /tmp/www && echo ok > /tmp/www/health
 exec httpd -f -p 8000 -h /tmp/www
 """
-
-
-def claim_dir(kube, claim: str) -> Path:
-    pvc = kube.get_json("pvc", claim, "-n", NAMESPACE)
-    pv = kube.get_json("pv", pvc["spec"]["volumeName"])
-    return Path((pv["spec"].get("hostPath") or pv["spec"].get("local"))["path"])
 
 
 def pods_of(kube, app: str) -> list[dict]:

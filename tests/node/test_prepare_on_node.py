@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cluster_support import wait_for
-from node_support import (NAMESPACE, condition, modelweights, mw_status, operator_pod, s3_secret, unique,
-                          upload_dir, wait_ready)
+from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, operator_pod, s3_secret,
+                          unique, upload_dir, wait_ready)
 
 REPO = Path(__file__).resolve().parents[2]
 import localcluster  # noqa: E402
@@ -26,14 +26,6 @@ FERRY = Path(sys.executable).with_name("ferry")
 
 def job_pods(kube, name: str) -> list[dict]:
     return kube.get_json("pods", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
-
-
-def claim_dir(kube, claim: str) -> Path:
-    """The host directory behind a claim the local-path provisioner bound."""
-    pvc = kube.get_json("pvc", claim, "-n", NAMESPACE)
-    pv = kube.get_json("pv", pvc["spec"]["volumeName"])
-    path = (pv["spec"].get("hostPath") or pv["spec"].get("local"))["path"]
-    return Path(path)
 
 
 def assert_ran_for_real(kube, name: str, steps: set[str]) -> None:
