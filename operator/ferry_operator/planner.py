@@ -148,48 +148,87 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+class _Draft:
+    """The status a plan is computing, and the named outcomes that end it."""
+
+    def __init__(self, mw: ModelWeights) -> None:
+        self.generation = mw.metadata.generation or 0
+        self.status = (mw.status or ModelWeightsStatus()).model_copy(deep=True)
+        self.conditions: list[Condition] = list(self.status.conditions)
+        self.at = now()
+
+    def cond(self, t: ConditionType, value: bool | None, reason: str, message: str) -> None:
+        self.conditions = set_condition(self.conditions, t, value, reason, message, self.generation, self.at)
+
+    def clear_stalled(self) -> None:
+        # A Stalled left by an earlier failure or generation ends once work moves again.
+        if get_condition(self.conditions, ConditionType.STALLED) is not None:
+            self.cond(ConditionType.STALLED, False, "Progressing", "")
+
+    def finish(self, artifact: Artifact | None, actions: list, running: str | None = None,
+               requeue: float | None = None) -> Plan:
+        return _finish(self.status, self.conditions, self.generation, artifact, actions, running, requeue)
+
+    def stalled(self, reason: str, message: str, artifact: Artifact | None = None,
+                step: ConditionType | None = None) -> Plan:
+        """Waiting will not help: Stalled, neither Ready nor Reconciling (and the step's condition False)."""
+        if step is not None:
+            self.cond(step, False, reason, message)
+        self.cond(ConditionType.STALLED, True, reason, message)
+        self.cond(ConditionType.RECONCILING, False, reason, message)
+        self.cond(ConditionType.READY, False, reason, message)
+        return self.finish(artifact, [])
+
+    def in_progress(self, reason: str, message: str, artifact: Artifact | None, actions: list,
+                    step: ConditionType, step_reason: str, running: str | None = None,
+                    requeue: float = 2.0) -> Plan:
+        """Work under way: Reconciling with `reason`; not Ready, and the step's
+        condition False, both with `step_reason`."""
+        self.cond(step, False, step_reason, message)
+        self.cond(ConditionType.RECONCILING, True, reason, message)
+        self.cond(ConditionType.READY, False, step_reason, message)
+        return self.finish(artifact, actions, running, requeue)
+
+
 def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolicy(), keep_previous: int = 1,
          loader: LoaderSettings | None = None) -> Plan:
     """`keep_previous`: how many superseded artifacts deletionPolicy Retain keeps;
-    `loader`: the serving-side loader to wire (None: none, and no readiness gate)."""
-    generation = mw.metadata.generation or 0
-    status = (mw.status or ModelWeightsStatus()).model_copy(deep=True)
-    conditions: list[Condition] = list(status.conditions)
-    at = now()
+    `loader`: the serving-side loader to wire (None: none, and no readiness gate).
+    Three phases: the prepare steps, the artifact they made, its serving."""
+    draft = _Draft(mw)
+    status = draft.status
     # A new value of the annotation is a human asking for a retry now.
     requested = bool(observed.requested_at) and observed.requested_at != status.last_handled_requested_at
     if observed.requested_at:
         status.last_handled_requested_at = observed.requested_at
-
-    def cond(t: ConditionType, value: bool | None, reason: str, message: str) -> None:
-        nonlocal conditions
-        conditions = set_condition(conditions, t, value, reason, message, generation, at)
-
-    def stalled(reason: str, message: str, step: ConditionType | None = None) -> Plan:
-        """Waiting will not help: Stalled, neither Ready nor Reconciling (and the step's condition False)."""
-        if step is not None:
-            cond(step, False, reason, message)
-        cond(ConditionType.STALLED, True, reason, message)
-        cond(ConditionType.RECONCILING, False, reason, message)
-        cond(ConditionType.READY, False, reason, message)
-        return _finish(status, conditions, generation, facts, [], None)
-
-    facts: Artifact | None = None
     try:
         steps = prepare_steps(mw.spec)
     except UnsupportedSpec as exc:
-        return stalled("UnsupportedSpec", str(exc))
-
-    def clear_stalled() -> None:
-        # A Stalled left by an earlier failure or generation ends once work moves again.
-        if get_condition(conditions, ConditionType.STALLED) is not None:
-            cond(ConditionType.STALLED, False, "Progressing", "")
-
+        return draft.stalled("UnsupportedSpec", str(exc))
     if status.retry is not None and status.retry.step not in {s.id for s in steps}:
         status.retry = None  # a retry of a superseded spec's step
-    actions: list[StartStep | RetryStep] = []
-    running: str | None = None
-    waiting_state = StepState(StepPhase.NOT_STARTED)
+    preparing = _prepare(mw, observed, steps, draft, retries, requested)
+    if preparing is not None:
+        return preparing
+    artifact = observed.artifact
+    if steps and artifact is None:
+        # Steps succeeded but the manifest is not readable: never call that complete.
+        message = "all steps succeeded but the artifact has no readable manifest"
+        draft.cond(ConditionType.STALLED, True, "ArtifactIncomplete", message)
+        draft.cond(ConditionType.READY, False, "ArtifactIncomplete", message)
+        return draft.finish(None, [])
+    facts = _artifact_facts(mw, steps, artifact)
+    if artifact is not None:
+        draft.cond(ConditionType.PREPARED, True, "Prepared", f"{facts.size} at {artifact.uri}")
+    else:
+        draft.cond(ConditionType.PREPARED, True, "NothingToPrepare", "vLLM streams the weights from the source")
+    return _serve(mw, observed, facts, draft, loader, keep_previous)
+
+
+def _prepare(mw: ModelWeights, observed: Observed, steps: list[Step], draft: _Draft, retries: RetryPolicy,
+             requested: bool) -> Plan | None:
+    """The steps in order: the plan while one fails or runs; None once all succeeded."""
+    status = draft.status
     for step in steps:
         state = observed.steps.get(step.id, StepState(StepPhase.NOT_STARTED))
         retry = status.retry if status.retry is not None and status.retry.step == step.id else None
@@ -197,74 +236,71 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
             if retry is not None:
                 status.retry = None  # it went through
             if step.name == "fetch":
-                cond(ConditionType.DOWNLOADED, True, "Fetched", "weights fetched and verified")
+                draft.cond(ConditionType.DOWNLOADED, True, "Fetched", "weights fetched and verified")
             continue
         if state.phase == StepPhase.FAILED:
-            message = f"{step.name} failed: {state.message}".strip()
-            reason = state.reason or f"{step.name.capitalize()}Failed"
-            attempt = 0 if requested or retry is None else retry.attempt
-            if requested or (state.retryable and attempt < retries.limit):
-                due = None if requested or retry is None else retry.next_attempt_at
-                if due is None and not requested:
-                    # First sight of this failure: schedule the retry.
-                    due = at + timedelta(seconds=retries.delay(attempt))
-                    status.retry = StepRetry(step=step.id, attempt=attempt, last_error=message[:2048],
-                                             next_attempt_at=due)
-                if requested or at >= due:
-                    status.retry = StepRetry(step=step.id, attempt=attempt + 1, last_error=message[:2048])
-                    actions.append(RetryStep(step, attempt + 1))
-                    wait = f"retry {attempt + 1} of {retries.limit} starting"
-                else:
-                    wait = f"retry {attempt + 1} of {retries.limit} in {max(0, int((due - at).total_seconds()))}s"
-                clear_stalled()
-                text = f"{message}; {wait}"
-                cond(ConditionType.RECONCILING, True, "Retrying", text)
-                cond(ConditionType.READY, False, "Retrying", text)
-                cond(ConditionType.PREPARED, False, "Retrying", text)
-                return _finish(status, conditions, generation, None, actions, step.name, requeue=1.0)
-            if retry is not None and retry.attempt:
-                message += f" (after {retry.attempt} {'retry' if retry.attempt == 1 else 'retries'})"
-            if state.retryable or retry is not None:
-                message += f"; to retry: kubectl annotate mw/{mw.metadata.name} ferry.dev/requested-at=$(date +%s)"
-            cond(ConditionType.STALLED, True, reason, message)
-            cond(ConditionType.RECONCILING, False, "Failed", message)
-            cond(ConditionType.READY, False, reason, message)
-            if step.name == "fetch":
-                cond(ConditionType.DOWNLOADED, False, state.reason or "FetchFailed", message)
-            cond(ConditionType.PREPARED, False, reason, message)
-            return _finish(status, conditions, generation, None, [], None)
-        if state.phase == StepPhase.NOT_STARTED:
-            actions.append(StartStep(step))
-        running, waiting_state = step.name, state
-        break
+            return _failed(mw, step, state, retry, draft, retries, requested)
+        actions = [StartStep(step)] if state.phase == StepPhase.NOT_STARTED else []
+        return _running(step, state, draft, actions)
+    return None
 
 
-    if running is not None:
-        clear_stalled()
-        earlier = status.progress if status.progress is not None and status.progress.step == running else None
-        status.progress = reported_progress(waiting_state.progress, running) or earlier
-        message = f"step {running} {'starting' if actions else 'running'}"
-        if waiting_state.message:
-            # Still in progress, but held up by something a human may want to see
-            # (an unschedulable pod, a retry after a failed attempt).
-            message += f": {waiting_state.message}"
-        if running == "fetch":
-            cond(ConditionType.DOWNLOADED, False, "Fetching", message)
-        cond(ConditionType.PREPARED, False, "Preparing", message)
-        cond(ConditionType.RECONCILING, True, waiting_state.reason or running.capitalize(), message)
-        cond(ConditionType.READY, False, "Preparing", message)
-        return _finish(status, conditions, generation, None, actions, running, requeue=2.0)
+def _running(step: Step, state: StepState, draft: _Draft, actions: list) -> Plan:
+    status = draft.status
+    draft.clear_stalled()
+    earlier = status.progress if status.progress is not None and status.progress.step == step.name else None
+    status.progress = reported_progress(state.progress, step.name) or earlier
+    message = f"step {step.name} {'starting' if actions else 'running'}"
+    if state.message:
+        # Still in progress, but held up by something a human may want to see
+        # (an unschedulable pod, a retry after a failed attempt).
+        message += f": {state.message}"
+    if step.name == "fetch":
+        draft.cond(ConditionType.DOWNLOADED, False, "Fetching", message)
+    return draft.in_progress(state.reason or step.name.capitalize(), message, None, actions,
+                             ConditionType.PREPARED, "Preparing", running=step.name)
 
-    artifact = observed.artifact
-    if steps and artifact is None:
-        # Steps succeeded but the manifest is not readable: never call that complete.
-        message = "all steps succeeded but the artifact has no readable manifest"
-        cond(ConditionType.STALLED, True, "ArtifactIncomplete", message)
-        cond(ConditionType.READY, False, "ArtifactIncomplete", message)
-        return _finish(status, conditions, generation, None, [], None)
 
+def _failed(mw: ModelWeights, step: Step, state: StepState, retry: StepRetry | None, draft: _Draft,
+            retries: RetryPolicy, requested: bool) -> Plan:
+    """A failed step: retried with backoff while it may succeed (or a human asks), else Stalled."""
+    status, at = draft.status, draft.at
+    message = f"{step.name} failed: {state.message}".strip()
+    reason = state.reason or f"{step.name.capitalize()}Failed"
+    attempt = 0 if requested or retry is None else retry.attempt
+    if requested or (state.retryable and attempt < retries.limit):
+        actions: list = []
+        due = None if requested or retry is None else retry.next_attempt_at
+        if due is None and not requested:
+            # First sight of this failure: schedule the retry.
+            due = at + timedelta(seconds=retries.delay(attempt))
+            status.retry = StepRetry(step=step.id, attempt=attempt, last_error=message[:2048], next_attempt_at=due)
+        if requested or at >= due:
+            status.retry = StepRetry(step=step.id, attempt=attempt + 1, last_error=message[:2048])
+            actions.append(RetryStep(step, attempt + 1))
+            wait = f"retry {attempt + 1} of {retries.limit} starting"
+        else:
+            wait = f"retry {attempt + 1} of {retries.limit} in {max(0, int((due - at).total_seconds()))}s"
+        draft.clear_stalled()
+        return draft.in_progress("Retrying", f"{message}; {wait}", None, actions, ConditionType.PREPARED,
+                                 "Retrying", running=step.name, requeue=1.0)
+    if retry is not None and retry.attempt:
+        message += f" (after {retry.attempt} {'retry' if retry.attempt == 1 else 'retries'})"
+    if state.retryable or retry is not None:
+        message += f"; to retry: kubectl annotate mw/{mw.metadata.name} ferry.dev/requested-at=$(date +%s)"
+    draft.cond(ConditionType.STALLED, True, reason, message)
+    draft.cond(ConditionType.RECONCILING, False, "Failed", message)
+    draft.cond(ConditionType.READY, False, reason, message)
+    if step.name == "fetch":
+        draft.cond(ConditionType.DOWNLOADED, False, state.reason or "FetchFailed", message)
+    draft.cond(ConditionType.PREPARED, False, reason, message)
+    return draft.finish(None, [])
+
+
+def _artifact_facts(mw: ModelWeights, steps: list[Step], artifact: ArtifactFacts | None) -> Artifact:
+    """The status's record of the artifact (or, with nothing prepared, of the source vLLM streams)."""
     fmt = mw.spec.format
-    facts = Artifact(
+    return Artifact(
         uri=artifact.uri if artifact else mw.spec.source.uri, format=fmt.type,
         tensor_parallel_size=fmt.tensor_parallel_size, pipeline_parallel_size=fmt.pipeline_parallel_size,
         vllm_version=fmt.vllm_version,
@@ -273,15 +309,16 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
         manifest_digest=artifact.manifest_digest if artifact else None,
         spec_digest=steps[-1].digest if artifact and steps else None,
     )
-    if artifact is not None:
-        cond(ConditionType.PREPARED, True, "Prepared", f"{facts.size} at {artifact.uri}")
-    else:
-        cond(ConditionType.PREPARED, True, "NothingToPrepare", "vLLM streams the weights from the source")
 
+
+def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft, loader: LoaderSettings | None,
+           keep_previous: int) -> Plan:
+    """Wire each Deployment, follow its rollout and its pods' loaders; Ready once all serve the artifact."""
+    status = draft.status
     refs = mw.spec.serving.deployments if mw.spec.serving else []
     gated = bool(refs) and loader_applies(mw.spec, facts, loader)
-    loading_only = False
-    actions, waiting = [], []
+    actions: list = []
+    waiting: list[str] = []
     for ref in refs:
         current = observed.deployments.get(ref.name)
         if current is None:
@@ -291,68 +328,80 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
         if owner != mw.metadata.name:
             message = (f"deployment {ref.name} is wired by ModelWeights {owner}; remove it from {owner}'s "
                        f"serving.deployments (or delete {owner}) and Ferry wires it for {mw.metadata.name}")
-            return stalled("DeploymentClaimed", message, ConditionType.SERVING_UPDATED)
+            return draft.stalled("DeploymentClaimed", message, facts, ConditionType.SERVING_UPDATED)
         try:
             patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current, loader)
         except ServingError as exc:
-            return stalled("ServingError", str(exc), ConditionType.SERVING_UPDATED)
+            return draft.stalled("ServingError", str(exc), facts, ConditionType.SERVING_UPDATED)
         if patch is not None:
             actions.append(PatchDeployment(ref.name, patch, current.service_account if gated else None))
             waiting.append(f"deployment {ref.name} patched")
         elif not current.rolled_out:
             waiting.append(f"deployment {ref.name} rolling out")
+    loading_only = False
     status.loaded = None
     if gated:
-        replicas = sum(d.replicas for d in (observed.deployments.get(r.name) for r in refs) if d is not None)
-        loads = summarize(observed.pods, facts.manifest_digest or "", replicas)
-        status.loaded = LoadedReplicas(replicas=loads.replicas, loaded_replicas=loads.loaded, summary=loads.text,
-                                       p50_load_seconds=loads.p50_seconds)
-        text = f"{loads.text} replicas loaded"
-        if loads.p50_seconds is not None:
-            text += f" (p50 {loads.p50_seconds:g}s)"
-        if loads.failing is not None:
-            bad = loads.failing
-            message = f"{text}; pod {bad.name}: {bad.reason}: {bad.message}"
-            cond(ConditionType.WEIGHTS_LOADED, False, bad.reason, message)
-            if bad.reason == "VerificationFailed":
-                # The prepared files are not what the manifest says: waiting will not fix that.
-                cond(ConditionType.STALLED, True, "WeightsVerificationFailed", message)
-            cond(ConditionType.RECONCILING, True, "WeightsLoadFailed", message)
-            cond(ConditionType.READY, False, "WeightsLoadFailed", message)
-            return _finish(status, conditions, generation, facts, actions, None, requeue=2.0)
-        if loads.complete:
-            cond(ConditionType.WEIGHTS_LOADED, True, "Loaded", text)
-        else:
-            cond(ConditionType.WEIGHTS_LOADED, False, "Loading", text)
+        failed, loading = _loaded(mw, observed, facts, draft, actions)
+        if failed is not None:
+            return failed
+        if loading is not None:
             loading_only = not waiting  # every Deployment is wired and rolled out: only the loaders are at work
-            waiting.append(text)
+            waiting.append(loading)
     else:
-        conditions = [c for c in conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
-    clear_stalled()
+        draft.conditions = [c for c in draft.conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
+    draft.clear_stalled()
     if waiting:
-        message = "; ".join(waiting)
         reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
         if loading_only:
             reason = "WeightsLoading"
-        cond(ConditionType.SERVING_UPDATED, False, reason, message)
-        cond(ConditionType.RECONCILING, True, reason, message)
-        cond(ConditionType.READY, False, reason, message)
-        return _finish(status, conditions, generation, facts, actions, None, requeue=2.0)
+        return draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
+    return _ready(mw, facts, draft, keep_previous)
+
+
+def _loaded(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
+            actions: list) -> tuple[Plan | None, str | None]:
+    """status.loaded and WeightsLoaded from the serving pods' loaders: (the plan
+    if one failed, what is still loading if not all have)."""
+    refs = mw.spec.serving.deployments if mw.spec.serving else []
+    replicas = sum(d.replicas for d in (observed.deployments.get(r.name) for r in refs) if d is not None)
+    loads = summarize(observed.pods, facts.manifest_digest or "", replicas)
+    draft.status.loaded = LoadedReplicas(replicas=loads.replicas, loaded_replicas=loads.loaded, summary=loads.text,
+                                         p50_load_seconds=loads.p50_seconds)
+    text = f"{loads.text} replicas loaded"
+    if loads.p50_seconds is not None:
+        text += f" (p50 {loads.p50_seconds:g}s)"
+    if loads.failing is None:
+        draft.cond(ConditionType.WEIGHTS_LOADED, loads.complete, "Loaded" if loads.complete else "Loading", text)
+        return None, None if loads.complete else text
+    bad = loads.failing
+    message = f"{text}; pod {bad.name}: {bad.reason}: {bad.message}"
+    draft.cond(ConditionType.WEIGHTS_LOADED, False, bad.reason, message)
+    if bad.reason == "VerificationFailed":
+        # The prepared files are not what the manifest says: waiting will not fix that.
+        draft.cond(ConditionType.STALLED, True, "WeightsVerificationFailed", message)
+    draft.cond(ConditionType.RECONCILING, True, "WeightsLoadFailed", message)
+    draft.cond(ConditionType.READY, False, "WeightsLoadFailed", message)
+    return draft.finish(facts, actions, requeue=2.0), None
+
+
+def _ready(mw: ModelWeights, facts: Artifact, draft: _Draft, keep_previous: int) -> Plan:
+    """Every Deployment serves the current artifact: Ready, and superseded
+    artifacts may go (Delete removes them all, Retain all but the newest keep_previous)."""
+    status = draft.status
+    refs = mw.spec.serving.deployments if mw.spec.serving else []
     if refs:
-        cond(ConditionType.SERVING_UPDATED, True, "RolledOut",
-             ", ".join(r.name for r in refs) + " serve the artifact")
-    cond(ConditionType.RECONCILING, False, "Ready", "")
-    cond(ConditionType.READY, True, "Ready",
-         "artifact prepared and verified" + ("; serving deployments rolled out" if refs else "")
-         + (f"; weights loaded by {status.loaded.summary} replicas" if status.loaded else ""))
-    # Ready: every Deployment serves the current artifact, so superseded ones
-    # may go; Delete removes them all, Retain all but the newest keep_previous.
+        draft.cond(ConditionType.SERVING_UPDATED, True, "RolledOut",
+                   ", ".join(r.name for r in refs) + " serve the artifact")
+    draft.cond(ConditionType.RECONCILING, False, "Ready", "")
+    draft.cond(ConditionType.READY, True, "Ready",
+               "artifact prepared and verified" + ("; serving deployments rolled out" if refs else "")
+               + (f"; weights loaded by {status.loaded.summary} replicas" if status.loaded else ""))
     _supersede(status, facts)
     status.artifact = facts
     keep = 0 if mw.spec.deletion_policy == "Delete" else keep_previous
     removals = [RemoveArtifact(a) for a in status.previous_artifacts[keep:]]
     status.previous_artifacts = status.previous_artifacts[:keep]
-    return _finish(status, conditions, generation, facts, removals, None)
+    return draft.finish(facts, removals)
 
 
 def _supersede(status: ModelWeightsStatus, current: Artifact) -> None:
