@@ -739,6 +739,21 @@ def test_a_claim_ferry_would_create_that_exists_and_is_another_ones_is_never_use
     state = ex.observe(m, step)
     assert (state.phase, state.reason) == (StepPhase.FAILED, "ClaimNotOwned") and not state.retryable
     assert "claim llama-weights already exists and is not this ModelWeights'" in state.message
-    ours = {"metadata": {"name": "llama-weights", "labels": {jobs.LABEL_MW: "llama"}}}
+    # A namesake's (another team's deleted ModelWeights "llama", Retain): the name is not the identity.
+    namesakes = {"metadata": {"name": "llama-weights", "labels": {jobs.LABEL_MW: "llama",
+                                                                  jobs.LABEL_MW_UID: "their-uid"}}}
+    assert executor(None, [], claims={"llama-weights": namesakes}).observe(m, step).reason == "ClaimNotOwned"
+    ours = {"metadata": {"name": "llama-weights", "labels": {jobs.LABEL_MW: "llama", jobs.LABEL_MW_UID: "mw-uid"}}}
     assert executor(None, [], claims={"llama-weights": ours}).observe(m, step).phase == StepPhase.NOT_STARTED
     assert executor(None, [], claims={}).observe(m, step).phase == StepPhase.NOT_STARTED
+
+
+def test_a_job_under_the_steps_name_that_the_modelweights_does_not_own_is_never_adopted():
+    m, step, job = safetensors_mw()
+    planted = {**job, "status": complete()["status"],
+               "metadata": {**job["metadata"], "ownerReferences": [{"kind": "ModelWeights", "controller": True,
+                                                                    "uid": "someone-else"}]}}
+    ex = executor(planted, [succeeded_pod("x7k2p", json.dumps(RESULT))])
+    state = ex.observe(m, step)
+    assert (state.phase, state.reason) == (StepPhase.FAILED, "JobNotOwned") and not state.retryable
+    assert ex.artifact(m, step) is None

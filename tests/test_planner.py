@@ -409,7 +409,8 @@ def test_a_running_steps_report_becomes_status_progress_only_if_it_is_a_valid_pr
     p = plan(m, Observed(steps={fetch.id: StepState(StepPhase.RUNNING, progress=report)}))
     assert p.status.progress.bytes_done == 50 and p.status.progress.percent == 25
     # A worker parses untrusted bytes: what it reports is checked against the CRD's type.
-    for bad in ({**report, "percent": 900}, {**report, "bytesDone": -1}, {**report, "status": {"artifact": {}}},
+    for bad in ({**report, "percent": 900}, {**report, "bytesDone": -1}, {**report, "bytesTotal": 2**64},
+                {**report, "status": {"artifact": {}}},
                 {**report, "step": "shard"}, ["not", "a", "map"]):
         p = plan(m, Observed(steps={fetch.id: StepState(StepPhase.RUNNING, progress=bad)}))
         assert p.status.progress is None, bad

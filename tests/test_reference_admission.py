@@ -43,7 +43,9 @@ def team(crd: Kube, namespace: str, references_policy) -> str:
     team B's Deployment, Secret and claim are there too."""
     crd.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
                "metadata": {"name": "modelweights-editor", "namespace": namespace},
-               "rules": [{"apiGroups": ["ferry.dev"], "resources": ["modelweights"], "verbs": ["*"]}]})
+               "rules": [{"apiGroups": ["ferry.dev"], "resources": ["modelweights"], "verbs": ["*"]},
+                         # She may create claims of her own (storage.pvc.size), not use another's.
+                         {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create"]}]})
     bind(crd, namespace, "modelweights-editor")
     for owner in ("team-a", "team-b"):
         crd.apply(deployment(f"{owner}-vllm", namespace))
@@ -113,7 +115,7 @@ ATTACKS = [
                         "storage": {"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://team-a/x"}}},
      "spec.format.tensorizer.encryptionSecretRef: user dev-a may not get secrets/team-b-s3 in {ns}"),
     ("artifact-claim", {"storage": {"pvc": {"name": "team-b-weights"}}, "deletionPolicy": "Delete"},
-     "spec.storage.pvc.name: user dev-a may not get persistentvolumeclaims/team-b-weights in {ns}"),
+     "spec.storage.pvc.name: user dev-a may not update persistentvolumeclaims/team-b-weights in {ns}"),
     ("source-claim", {"source": {"uri": "pvc://team-b-weights/llama"}},
      "spec.source.uri: user dev-a may not get persistentvolumeclaims/team-b-weights in {ns}"),
 ]
@@ -134,7 +136,7 @@ def test_a_reference_the_user_may_not_use_is_refused_naming_field_object_and_ver
 def test_references_she_may_use_are_accepted_and_a_spec_change_is_checked_again(crd, team):
     grant(crd, team, "patch-own-deployment", "deployments", "patch", "team-a-vllm", group="apps")
     grant(crd, team, "read-own-secret", "secrets", "get", "team-a-s3")
-    grant(crd, team, "read-own-claim", "persistentvolumeclaims", "get", "team-a-weights")
+    grant(crd, team, "write-own-claim", "persistentvolumeclaims", "update", "team-a-weights")
     own = modelweights("own", source={"uri": "s3://models/llama", "credentialsSecretRef": {"name": "team-a-s3"}},
                        storage={"pvc": {"name": "team-a-weights"}},
                        serving={"deployments": [{"name": "team-a-vllm"}]})
@@ -147,6 +149,17 @@ def test_references_she_may_use_are_accepted_and_a_spec_change_is_checked_again(
     proc = as_user(crd, team, "apply", stolen)
     assert proc.returncode != 0 and "may not patch deployments/team-b-vllm" in proc.stderr, proc.stderr
     assert crd.get_json("mw", "own", "-n", team)["spec"]["serving"]["deployments"] == [{"name": "team-a-vllm"}]
+
+
+def test_a_claim_is_created_for_her_only_if_she_could_create_it(crd, team):
+    crd.kubectl("delete", "rolebinding", f"{USER}-modelweights-editor", "-n", team)
+    crd.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": "modelweights-only", "namespace": team},
+               "rules": [{"apiGroups": ["ferry.dev"], "resources": ["modelweights"], "verbs": ["*"]}]})
+    bind(crd, team, "modelweights-only")
+    obj = modelweights("sized")  # storage.pvc.size: Ferry would create the claim
+    proc = wait_for(lambda: refused(crd, team, obj), "the references policy enforced")
+    assert f"spec.storage.pvc.size: user dev-a may not create persistentvolumeclaims in {team}" in proc.stderr
 
 
 def test_a_request_that_leaves_the_spec_alone_is_not_checked_again(crd, team):

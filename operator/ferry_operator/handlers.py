@@ -166,7 +166,10 @@ async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> d
 
 @kopf.index(GROUP, VERSION, PLURAL)
 async def wirings(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[tuple[str, str], Wirer]:
-    """Which ModelWeights list which Deployments: who owns one that several name."""
+    """Which ModelWeights list which Deployments: who owns one that several name.
+    One being deleted lists none: it lets go at once, not when its finalizer is gone."""
+    if meta.get("deletionTimestamp"):
+        return {}
     refs = (spec.get("serving") or {}).get("deployments") or []
     return {(namespace, r["name"]): Wirer(meta.get("creationTimestamp") or "", name) for r in refs if r.get("name")}
 
@@ -539,6 +542,9 @@ def delete(body: kopf.Body, uid: str, **_: Any) -> None:
     metrics.phase(uid, None)
     remove = getattr(EXECUTOR, "delete", None)
     if body.get("spec", {}).get("deletionPolicy") == "Delete" and remove is not None:
+        problem = POLICIES.problem() if POLICIES is not None else None
+        if problem:  # fail closed: no delete Job either; kopf retries, the object waits
+            raise kopf.TemporaryError(problem, delay=30)
         log.info("%s/%s: deletionPolicy Delete: removing prepared data", body["metadata"]["namespace"],
                  body["metadata"]["name"])
         remove(parse(dict(body)))

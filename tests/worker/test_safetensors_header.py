@@ -108,16 +108,38 @@ def one_byte_tensors(count: int, *, tail: str = "}") -> bytes:
     return struct.pack("<Q", len(raw)) + raw + b"\0" * count
 
 
-def test_a_million_entries_are_refused_at_the_cap_before_the_rest_is_parsed(tmp_path: Path) -> None:
+def test_a_million_entries_are_refused_at_the_cap_before_the_rest_is_parsed(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # The JSON is broken after the last entry: a parser that read everything before
     # counting would report that instead of the cap.
     data = one_byte_tensors(1_000_000, tail=', "broken')
     assert len(data) < MAX_HEADER_BYTES  # within the size cap: the entry cap is what refuses it
     with pytest.raises(UnsafeSafetensorsError) as refused:
         validate_safetensors(write(tmp_path, data), name="model-00001-of-00002.safetensors")
+    # The linear count of JSON values comes first: refused before anything is decoded.
+    assert str(refused.value).startswith("model-00001-of-00002.safetensors: header holds about ")
+    assert "refused before decoding it" in str(refused.value)
+    # Past the value count too, the entry cap stops the parse at the cap.
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_TOKENS", 10**9)
+    with pytest.raises(UnsafeSafetensorsError) as refused:
+        validate_safetensors(write(tmp_path, data), name="model-00001-of-00002.safetensors")
     assert str(refused.value) == (
         f"model-00001-of-00002.safetensors: header holds more than {MAX_HEADER_ENTRIES} entries "
         f"(tensors and __metadata__ keys), Ferry's cap; refused before reading the rest")
+
+
+def test_one_entry_that_would_decode_into_many_objects_is_refused_before_decoding(tmp_path: Path) -> None:
+    # Within the size and entry caps (one entry, 40 MB), but ~17x its size in memory once decoded.
+    bomb = ",".join(f'"k{i}":0' for i in range(safetensors_header.MAX_HEADER_TOKENS + 1))
+    raw = ('{"x":{' + bomb + '}}').encode()
+    with pytest.raises(UnsafeSafetensorsError, match="JSON values, more than the .* Ferry decodes"):
+        validate_safetensors(write(tmp_path, struct.pack("<Q", len(raw)) + raw))
+
+
+def test_an_entry_with_keys_the_format_does_not_have_is_refused(tmp_path: Path) -> None:
+    raw = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"extra":[1,2,3]}}'
+    with pytest.raises(UnsafeSafetensorsError, match=r"tensor 't': unknown keys \['extra'\]"):
+        validate_safetensors(write(tmp_path, struct.pack("<Q", len(raw)) + raw + b"\0"))
 
 
 def test_the_entry_cap_counts_tensors_and_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,6 +39,11 @@ MAX_HEADER_ENTRIES = 250_000
 # Dimensions of one tensor's shape. Frameworks stop at 64 (numpy 2, torch);
 # the cap keeps the element count (a product of the dimensions) cheap.
 MAX_TENSOR_RANK = 64
+# JSON values a header may hold (a linear count of ',', '[' and '{' before any
+# decoding): a real entry holds about eight, so this bounds the objects a
+# decoded header can allocate (memory) at some 12 per allowed entry.
+MAX_HEADER_TOKENS = 12 * MAX_HEADER_ENTRIES
+TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 # Bits per element. Sub-byte types pack several elements per byte.
 DTYPE_BITS: dict[str, int] = {
@@ -94,6 +99,10 @@ def _check_header(raw: bytes, file_size: int, label: str) -> SafetensorsHeader:
 
     if not raw.startswith(b"{"):
         raise fail("header is not a JSON object")
+    tokens = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if tokens > MAX_HEADER_TOKENS:
+        raise fail(f"header holds about {tokens} JSON values, more than the {MAX_HEADER_TOKENS} Ferry decodes; "
+                   "refused before decoding it")
     try:
         body = _parse_header_object(raw.decode("utf-8"), fail)
     except (UnicodeDecodeError, ValueError) as e:
@@ -126,6 +135,9 @@ def _check_header(raw: bytes, file_size: int, label: str) -> SafetensorsHeader:
 def _check_tensor(name: str, entry: object, fail) -> TensorInfo:
     if not isinstance(entry, dict):
         raise fail(f"tensor {name!r}: entry is not an object")
+    if not entry.keys() <= TENSOR_KEYS:
+        unknown = sorted(entry.keys() - TENSOR_KEYS)
+        raise fail(f"tensor {name!r}: unknown keys {_brief(unknown)} (a safetensors entry holds {sorted(TENSOR_KEYS)})")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BITS:
         raise fail(f"tensor {name!r}: unknown dtype {dtype!r}")

@@ -15,7 +15,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from ..api.types import API_VERSION, KIND, ModelWeights
-from ..locations import claim_name, digest_dir, dns_name, s3_artifact_uri, step_paths
+from ..locations import claim_name, digest_dir, dns_name, identity, s3_artifact_uri, step_paths
 from ..steps import Step, s3_store_env
 from .redact import redact
 
@@ -24,6 +24,7 @@ SOURCE_MOUNT = "/source"
 RESULT_FILE = "/dev/termination-log"
 LABEL_MW = "ferry.dev/modelweights"
 LABEL_STEP = "ferry.dev/step"
+LABEL_MW_UID = "ferry.dev/modelweights-uid"  # on a claim Ferry created: whose it is
 # Once a step's result is recorded in the ModelWeights status, its Job is kept
 # this long for `kubectl logs`, then removed by the TTL controller.
 FINISHED_JOB_TTL_S = 600
@@ -83,7 +84,7 @@ def pvc_manifest(mw: ModelWeights, uid: str) -> dict[str, Any] | None:
     pvc = mw.spec.storage.pvc if mw.spec.storage else None
     if pvc is None or pvc.size is None:
         return None
-    meta: dict[str, Any] = {"name": claim_name(mw), "labels": {LABEL_MW: mw.metadata.name}}
+    meta: dict[str, Any] = {"name": claim_name(mw), "labels": {LABEL_MW: mw.metadata.name, LABEL_MW_UID: uid}}
     # Retain keeps the claim past the ModelWeights; Delete lets garbage collection take it.
     if mw.spec.deletion_policy == "Delete":
         meta["ownerReferences"] = [owner_reference(mw, uid)]
@@ -97,7 +98,9 @@ def pvc_manifest(mw: ModelWeights, uid: str) -> dict[str, Any] | None:
 
 
 def job_name(mw: ModelWeights, step: Step) -> str:
-    return dns_name(mw.metadata.name, step.name, step.digest[:8])
+    # The object's uid is in the name: a namesake's (or an older Ferry's) Job of the
+    # same spec is never taken for this object's.
+    return dns_name(mw.metadata.name, step.name, step.digest[:8], identity(mw)[:8])
 
 
 def unsupported_source(mw: ModelWeights) -> str | None:
@@ -258,7 +261,7 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
 
 
 def cleanup_job_name(mw: ModelWeights, digest: str) -> str:
-    return dns_name(mw.metadata.name, "gc", digest[:8])
+    return dns_name(mw.metadata.name, "gc", digest[:8], identity(mw)[:8])
 
 
 def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings,
@@ -351,7 +354,7 @@ def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings)
         "securityContext": _container_security(),
     }
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": dns_name(mw.metadata.name, "delete", digest[:8]), "labels": labels,
+            "metadata": {"name": dns_name(mw.metadata.name, "delete", digest[:8], identity(mw)[:8]), "labels": labels,
                          "annotations": {"ferry.dev/removes": uri}},
             "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
                      "activeDeadlineSeconds": CLEANUP_DEADLINE_S,

@@ -87,6 +87,17 @@ class KubernetesExecutor:
             return self.view.job(mw.metadata.namespace, jobs.job_name(mw, step))
         return _read(self.batch.read_namespaced_job, jobs.job_name(mw, step), mw.metadata.namespace)
 
+    @staticmethod
+    def _not_ours(mw: ModelWeights, job: dict[str, Any]) -> StepState | None:
+        """A Job under this step's name that this ModelWeights does not own (someone who may
+        create Jobs made it first): never adopted, its pods' results never read."""
+        refs = (job.get("metadata") or {}).get("ownerReferences") or []
+        if any(r.get("controller") and r.get("uid") == mw.metadata.uid for r in refs):
+            return None
+        return StepState(StepPhase.FAILED, reason="JobNotOwned", message=(
+            f"Job {job['metadata'].get('name')} exists and is not this ModelWeights' (its controller is not "
+            f"uid {mw.metadata.uid}): delete it and Ferry starts its own"))
+
     def _pods(self, mw: ModelWeights, step: Step) -> list[dict[str, Any]]:
         if self.view is not None:
             return self.view.pods(mw.metadata.namespace, jobs.job_name(mw, step))
@@ -102,6 +113,8 @@ class KubernetesExecutor:
         job = self._job(mw, step)
         if job is None:
             return self._claim_not_owned(mw) or StepState(StepPhase.NOT_STARTED)
+        if (foreign := self._not_ours(mw, job)) is not None:
+            return foreign
         if job["metadata"].get("deletionTimestamp"):
             return StepState(StepPhase.RUNNING, "the failed attempt's Job is being removed", reason="Retrying")
         pods = self._pods(mw, step)
@@ -118,18 +131,23 @@ class KubernetesExecutor:
         """A claim Ferry is to create (storage.pvc.size) that already exists and is
         not this ModelWeights': never written into (it may be another team's).
         A claim named in storage.pvc.name is authorised as the user at admission."""
-        wanted = jobs.pvc_manifest(mw, "")
+        uid = mw.metadata.uid or ""
+        wanted = jobs.pvc_manifest(mw, uid)
         if wanted is None:
             return None
         name = wanted["metadata"]["name"]
         found = _read(self.core.read_namespaced_persistent_volume_claim, name, mw.metadata.namespace)
-        owner = ((found or {}).get("metadata", {}).get("labels") or {}).get(jobs.LABEL_MW)
-        if found is None or owner == mw.metadata.name:
+        if found is None:
+            return None
+        meta = found.get("metadata") or {}
+        # Its own: labelled with its uid (or, made by an older Ferry, owned by it for garbage collection).
+        if (meta.get("labels") or {}).get(jobs.LABEL_MW_UID) == uid or any(
+                ref.get("uid") == uid for ref in meta.get("ownerReferences") or []):
             return None
         return StepState(StepPhase.FAILED, reason="ClaimNotOwned", message=(
-            f"claim {name} already exists and is not this ModelWeights' (its label {jobs.LABEL_MW} is "
-            f"{owner!r}): Ferry creates a claim only under a free name. Name a claim you may use in "
-            "storage.pvc.name (without size to reuse it), or free the name"))
+            f"claim {name} already exists and is not this ModelWeights' (no label {jobs.LABEL_MW_UID}={uid}): "
+            "Ferry creates a claim only under a free name. Name a claim you may use in storage.pvc.name "
+            "(without size, to reuse it), or free the name"))
 
     def retry(self, mw: ModelWeights, step: Step) -> None:
         """Remove the failed Job and its pods (foreground): once it is gone the
@@ -185,7 +203,7 @@ class KubernetesExecutor:
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
         """The last step's result, from its Job's own pods only (observe reports a malformed one)."""
         job = self._job(mw, last)
-        if job is None:
+        if job is None or self._not_ours(mw, job) is not None:
             return None
         try:
             result = diagnosis.step_result(job, self._pods(mw, last))
