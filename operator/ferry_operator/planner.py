@@ -22,6 +22,9 @@ from .steps import Step, UnsupportedSpec, prepare_steps
 from .weights_loaded import PodFacts, summarize
 
 
+INT64_MAX = 2**63 - 1
+
+
 class StepPhase(str, Enum):
     NOT_STARTED = "NotStarted"
     RUNNING = "Running"
@@ -137,7 +140,10 @@ def reported_progress(report: dict[str, Any] | None, step: str) -> Progress | No
         progress = Progress.model_validate(report)
     except ValidationError:
         return None
-    return progress if progress.step == step else None
+    # int64 on the wire: a larger number would make every status write of the object fail.
+    too_large = any(v is not None and v > INT64_MAX for v in (progress.bytes_done, progress.bytes_total,
+                                                             progress.bytes_per_second, progress.eta_seconds))
+    return progress if progress.step == step and not too_large else None
 
 
 def human_bytes(n: int) -> str:

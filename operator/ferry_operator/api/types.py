@@ -538,18 +538,14 @@ class Phase(str, Enum):
     DELETING = "Deleting"
 
 
-# int64 fields (format int64): a worker's report beyond it would make every status write fail.
-INT64_MAX = 2**63 - 1
-
-
 class Progress(Model):
     """Progress of the running step."""
 
     step: str | None = Field(None, max_length=64, description="Step in progress: fetch, shard, tensorize, verify.")
-    bytes_done: int = Field(0, ge=0, le=INT64_MAX, description="Bytes processed.", json_schema_extra={"format": "int64"})
-    bytes_total: int = Field(0, ge=0, le=INT64_MAX, description="Bytes to process (0 if unknown).", json_schema_extra={"format": "int64"})
-    bytes_per_second: int = Field(0, ge=0, le=INT64_MAX, description="Recent throughput.", json_schema_extra={"format": "int64"})
-    eta_seconds: int | None = Field(None, ge=0, le=INT64_MAX, description="Estimated seconds left.", json_schema_extra={"format": "int64"})
+    bytes_done: int = Field(0, ge=0, description="Bytes processed.", json_schema_extra={"format": "int64"})
+    bytes_total: int = Field(0, ge=0, description="Bytes to process (0 if unknown).", json_schema_extra={"format": "int64"})
+    bytes_per_second: int = Field(0, ge=0, description="Recent throughput.", json_schema_extra={"format": "int64"})
+    eta_seconds: int | None = Field(None, ge=0, description="Estimated seconds left.", json_schema_extra={"format": "int64"})
     percent: int = Field(0, ge=0, le=100, description="bytesDone / bytesTotal in percent.")
     updated_at: datetime | None = Field(None, description="When this progress was reported.")
 
