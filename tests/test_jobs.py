@@ -286,3 +286,13 @@ def test_the_chart_values_reach_the_jobs(monkeypatch, sets, deadline, guarded):
     job = jobs.job_manifest(mw(manifest()), prepare_steps(mw(manifest()).spec)[0], "uid", settings)
     assert job["spec"]["activeDeadlineSeconds"] == deadline
     assert any(e["name"] == "AWS_EC2_METADATA_DISABLED" for e in container(job)["env"]) is guarded
+
+
+def test_the_staging_directory_goes_once_the_artifact_is_recorded():
+    m = mw(manifest())  # sharded_state: fetch into staging, then shard
+    digest = prepare_steps(m.spec)[-1].digest
+    job = jobs.staging_cleanup_job_manifest(m, digest, UID, SETTINGS)
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["rm", "-rf", "--one-file-system", f"/weights/{m.metadata.name}/{UID}/{digest}/staging"]
+    assert job["metadata"]["labels"]["ferry.dev/step"] == "staging" and job["spec"]["activeDeadlineSeconds"] > 0
+    assert job["metadata"]["name"] != jobs.cleanup_job_name(m, digest)

@@ -138,10 +138,12 @@ def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namesp
             "spec": {"source": {"uri": "hf://org/tiny-llama"},
                      "storage": {"pvc": {"size": "1Gi", "storageClassName": f"manual-{namespace}"}},
                      "format": {"type": "safetensors"}}}
-    mw = parse(body)
+    # The claim has no volume yet, so the Job's own pod waits: the pod is planted meanwhile, with
+    # the Job's name (which carries the object's uid: the attacker reads it) and a forged result.
+    crd.apply(body)
+    mw = parse(crd.get_json("mw", "llama", "-n", namespace))
     (fetch,) = prepare_steps(mw.spec)
     job_name = ferry_jobs.job_name(mw, fetch)
-    # Planted before the Job exists, so its result is there when the Job's own pod completes.
     crd.apply({"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": "planted", "namespace": namespace,
                             "labels": {"job-name": job_name, "batch.kubernetes.io/job-name": job_name,
@@ -153,7 +155,6 @@ def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namesp
     crd.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{namespace}"},
                "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
                         "storageClassName": f"manual-{namespace}", "hostPath": {"path": f"/tmp/{namespace}"}}})
-    crd.apply(body)
 
     # kwok completes the Job's own pod, which reports nothing: the planted result is not taken.
     missing = wait_for(lambda: stalled(crd, namespace, "ResultMissing"), "Stalled/ResultMissing", timeout=90)

@@ -25,7 +25,9 @@ FERRY = Path(sys.executable).with_name("ferry")
 
 
 def job_pods(kube, name: str) -> list[dict]:
-    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
+    """The pods of this object's prepare steps (not of the Job that removes its staging afterwards)."""
+    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name},ferry.dev/step!=staging")[
+        "items"]
 
 
 def assert_ran_for_real(kube, name: str, steps: set[str]) -> None:
@@ -127,6 +129,8 @@ def test_ready_through_real_jobs_from_s3(node, chart_operator, node_s3, checkpoi
     manifest = json.loads((artifact / "ferry-manifest.json").read_text())
     if fmt["type"] == "sharded_state":
         assert any(f["path"].startswith("model-rank-1-part-") for f in manifest["files"])
+        # The fetched original is no copy to keep once the artifact is recorded: a Job removes it.
+        wait_for(lambda: not (artifact.parent / "staging").exists(), "the staging directory removed", timeout=90)
     # Written by the worker's uid, not root.
     assert (artifact / "ferry-manifest.json").stat().st_uid == 65532
 

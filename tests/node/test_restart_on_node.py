@@ -56,9 +56,10 @@ def test_sigkill_during_real_jobs_ends_ready_with_one_job_per_step(node, chart_o
             for name in names:
                 steps = sorted(j["metadata"]["labels"]["ferry.dev/step"] for j in jobs
                                if j["metadata"]["labels"].get("ferry.dev/modelweights") == name)
-                assert steps == ["fetch", "shard"], f"{name}: {steps}"  # one Job per step, whatever the kills
+                # One Job per step, whatever the kills (and one that removes the staging once recorded).
+                assert steps == ["fetch", "shard", "staging"], f"{name}: {steps}"
             # Each Job ran once: one pod, exit 0, on the real node.
-            pods = node.get_json("pods", "-n", namespace, "-l", "ferry.dev/step")["items"]
+            pods = node.get_json("pods", "-n", namespace, "-l", "ferry.dev/step,ferry.dev/step!=staging")["items"]
             assert len(pods) == 2 * len(names), [p["metadata"]["name"] for p in pods]
         finally:
             node.kubectl("delete", "mw", "--all", "-n", namespace, "--timeout=120s", check=False, timeout=130)

@@ -292,6 +292,19 @@ def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: Work
                                   "spec": _pod_spec(settings, [container], volumes, token=False)}}}
 
 
+def staging_cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings) -> dict[str, Any]:
+    """Once the artifact is recorded, the fetched original in <digest dir>/staging is
+    dead weight (a whole second copy of the checkpoint on the claim): a Job removes it."""
+    job = cleanup_job_manifest(mw, digest, uid, settings)
+    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "staging"}
+    job["metadata"].update(name=dns_name(mw.metadata.name, "staging", digest[:8], identity(mw)[:8]), labels=labels)
+    job["metadata"]["annotations"] = {"ferry.dev/removes": f"{digest}/staging"}
+    job["spec"]["template"]["metadata"]["labels"] = labels
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    container["command"] = ["rm", "-rf", "--one-file-system", f"{WEIGHTS_MOUNT}/{step_paths(mw, digest)['staging']}"]
+    return job
+
+
 def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, Any]]:
     """The ServiceAccount prepare Jobs run as, bound to the status-only worker role."""
     return [

@@ -187,7 +187,11 @@ class KubernetesExecutor:
                     jobs.s3_delete_job_manifest(mw, artifact.uri, self.settings))
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
-        """The artifact is recorded in the status: its Jobs may go (TTL controller)."""
+        """The artifact is recorded in the status: its Jobs may go (TTL controller),
+        and so may the fetched original its later steps read (staging)."""
+        if len(steps) > 1:  # the fetch wrote to staging, not to the artifact
+            _create(self.batch.create_namespaced_job, mw.metadata.namespace,
+                    jobs.staging_cleanup_job_manifest(mw, steps[-1].digest, mw.metadata.uid or "", self.settings))
         for step in steps:
             try:
                 self.batch.patch_namespaced_job(jobs.job_name(mw, step), mw.metadata.namespace,

@@ -193,6 +193,12 @@ class LocalExecutor:
             manifest_digest="sha256:" + hashlib.sha256(data).hexdigest(),
         )
 
+    def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
+        """The artifact is recorded: the fetched original its later steps read is dead weight."""
+        if len(steps) > 1:
+            shutil.rmtree(self._paths(mw.metadata.namespace, mw.metadata.name, steps[-1].digest)["staging"],
+                          ignore_errors=True)
+
     def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None:
         """A superseded artifact: its directory (staging and artifact) and its steps' records."""
         namespace, name = mw.metadata.namespace, mw.metadata.name
