@@ -3,6 +3,11 @@ local executor): two ModelWeights never fight over one Deployment, and
 without its admission policies the operator does nothing and says why."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import localcluster
@@ -77,14 +82,10 @@ def test_without_its_admission_policies_the_operator_does_nothing_and_says_which
 
     # And an operator started without them refuses to start, naming what is missing.
     crd.kubectl("delete", "validatingadmissionpolicy", reporter)
-    import subprocess
-    import sys
-    from pathlib import Path
-
     proc = subprocess.run([str(Path(sys.executable).with_name("ferry-operator")), "run", "--standalone",
                            "--namespace", namespace],
-                          env={**__import__("os").environ, "KUBECONFIG": str(crd.kubeconfig),
-                               "FERRY_ADMISSION_POLICIES": names}, capture_output=True, text=True, timeout=60)
+                          env={**os.environ, "KUBECONFIG": str(crd.kubeconfig), "FERRY_ADMISSION_POLICIES": names},
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"ValidatingAdmissionPolicy {reporter} is missing" in proc.stderr, proc.stderr
     for kind in ("validatingadmissionpolicy", "validatingadmissionpolicybinding"):
         crd.kubectl("delete", kind, "policy-gone-ferry-references", "--ignore-not-found")

@@ -23,6 +23,8 @@ from .weights_loaded import PodFacts, summarize
 
 
 INT64_MAX = 2**63 - 1
+# A worker's progress report is a few hundred bytes of JSON; a larger one is not one (executors drop it unread).
+MAX_PROGRESS_REPORT_BYTES = 4096
 
 
 class StepPhase(str, Enum):

@@ -36,7 +36,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
-from ..planner import StepPhase, StepState
+from ..planner import MAX_PROGRESS_REPORT_BYTES, StepPhase, StepState
 from .jobs import LABEL_MW, LABEL_STEP, WORKER_CONTAINER, MalformedResult, StepResult, parse_result
 from .redact import redact
 
@@ -207,7 +207,6 @@ def diagnose(job: Mapping[str, Any], pods: list[Mapping[str, Any]],
 
 
 PROGRESS_CONDITION = "ferry.dev/progress"  # ferry_worker.progress_report.CONDITION (a test keeps them equal)
-MAX_PROGRESS_MESSAGE = 4096  # a report is a few hundred bytes
 
 
 def reported_progress(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -216,7 +215,7 @@ def reported_progress(job: Mapping[str, Any], pods: list[Mapping[str, Any]]) -> 
     newest = None
     for pod in owned_pods(job, pods):
         for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == PROGRESS_CONDITION and len(c.get("message") or "") <= MAX_PROGRESS_MESSAGE:
+            if c.get("type") == PROGRESS_CONDITION and len(c.get("message") or "") <= MAX_PROGRESS_REPORT_BYTES:
                 if newest is None or (c.get("lastTransitionTime") or "") >= (newest.get("lastTransitionTime") or ""):
                     newest = c
     try:

@@ -97,10 +97,14 @@ def pvc_manifest(mw: ModelWeights, uid: str) -> dict[str, Any] | None:
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
-def job_name(mw: ModelWeights, step: Step) -> str:
+def _job_name(mw: ModelWeights, kind: str, digest: str) -> str:
     # The object's uid is in the name: a namesake's (or an older Ferry's) Job of the
     # same spec is never taken for this object's.
-    return dns_name(mw.metadata.name, step.name, step.digest[:8], identity(mw)[:8])
+    return dns_name(mw.metadata.name, kind, digest[:8], identity(mw)[:8])
+
+
+def job_name(mw: ModelWeights, step: Step) -> str:
+    return _job_name(mw, step.name, step.digest)
 
 
 def unsupported_source(mw: ModelWeights) -> str | None:
@@ -261,7 +265,7 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
 
 
 def cleanup_job_name(mw: ModelWeights, digest: str) -> str:
-    return dns_name(mw.metadata.name, "gc", digest[:8], identity(mw)[:8])
+    return _job_name(mw, "gc", digest)
 
 
 def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings,
@@ -270,12 +274,25 @@ def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: Work
     the operator never mounts claims itself. With `s3_uri`, also the objects of
     that artifact's manifest (`ferry delete-artifact`: exactly what Ferry wrote)."""
     target = f"{WEIGHTS_MOUNT}/{digest_dir(mw, digest)}"  # this object's own: its uid is in the path
-    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "gc"}
-    command = ["rm", "-rf", "--one-file-system", target]
-    env = instance_credentials_env(settings)
-    if s3_uri is not None:
-        command = ["sh", "-c", 'ferry delete-artifact "$0" && exec rm -rf --one-file-system "$1"', s3_uri, target]
-        env = storage_s3_env(mw) + env
+    if s3_uri is None:
+        return _claim_cleanup_job(mw, uid, settings, "gc", digest, digest, ["rm", "-rf", "--one-file-system", target])
+    command = ["sh", "-c", 'ferry delete-artifact "$0" && exec rm -rf --one-file-system "$1"', s3_uri, target]
+    return _claim_cleanup_job(mw, uid, settings, "gc", digest, digest, command, storage_s3_env(mw))
+
+
+def staging_cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings) -> dict[str, Any]:
+    """Once the artifact is recorded, the fetched original in <digest dir>/staging is
+    dead weight (a whole second copy of the checkpoint on the claim): a Job removes it."""
+    target = f"{WEIGHTS_MOUNT}/{step_paths(mw, digest)['staging']}"
+    return _claim_cleanup_job(mw, uid, settings, "staging", digest, f"{digest}/staging",
+                              ["rm", "-rf", "--one-file-system", target])
+
+
+def _claim_cleanup_job(mw: ModelWeights, uid: str, settings: WorkerSettings, kind: str, digest: str, removes: str,
+                       command: list[str], env: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """A Job (step label `kind`) that runs `command` with the object's claim mounted."""
+    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: kind}
+    env = [*env, *instance_credentials_env(settings)]
     container = {
         "name": "gc", "image": settings.image, "command": command, "env": env,
         "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT}],
@@ -284,25 +301,12 @@ def cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: Work
     }
     volumes = [{"name": "weights", "persistentVolumeClaim": {"claimName": claim_name(mw)}}]
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": cleanup_job_name(mw, digest), "labels": labels,
-                         "ownerReferences": [owner_reference(mw, uid)], "annotations": {"ferry.dev/removes": digest}},
+            "metadata": {"name": _job_name(mw, kind, digest), "labels": labels,
+                         "ownerReferences": [owner_reference(mw, uid)], "annotations": {"ferry.dev/removes": removes}},
             "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
                      "activeDeadlineSeconds": CLEANUP_DEADLINE_S,
                      "template": {"metadata": {"labels": labels},
                                   "spec": _pod_spec(settings, [container], volumes, token=False)}}}
-
-
-def staging_cleanup_job_manifest(mw: ModelWeights, digest: str, uid: str, settings: WorkerSettings) -> dict[str, Any]:
-    """Once the artifact is recorded, the fetched original in <digest dir>/staging is
-    dead weight (a whole second copy of the checkpoint on the claim): a Job removes it."""
-    job = cleanup_job_manifest(mw, digest, uid, settings)
-    labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "staging"}
-    job["metadata"].update(name=dns_name(mw.metadata.name, "staging", digest[:8], identity(mw)[:8]), labels=labels)
-    job["metadata"]["annotations"] = {"ferry.dev/removes": f"{digest}/staging"}
-    job["spec"]["template"]["metadata"]["labels"] = labels
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    container["command"] = ["rm", "-rf", "--one-file-system", f"{WEIGHTS_MOUNT}/{step_paths(mw, digest)['staging']}"]
-    return job
 
 
 def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, Any]]:
@@ -367,7 +371,7 @@ def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings)
         "securityContext": _container_security(),
     }
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": dns_name(mw.metadata.name, "delete", digest[:8], identity(mw)[:8]), "labels": labels,
+            "metadata": {"name": _job_name(mw, "delete", digest), "labels": labels,
                          "annotations": {"ferry.dev/removes": uri}},
             "spec": {"backoffLimit": 3, "ttlSecondsAfterFinished": FINISHED_JOB_TTL_S,
                      "activeDeadlineSeconds": CLEANUP_DEADLINE_S,

@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..locations import claim_artifact_uri, ferry_s3_artifacts, is_ferry_s3_artifact
+from ..locations import claim_artifact_uri, claim_name, ferry_s3_artifacts, is_ferry_s3_artifact
 from ..steps import Step, prepare_steps
 from . import diagnosis, jobs
 
@@ -131,11 +131,10 @@ class KubernetesExecutor:
         """A claim Ferry is to create (storage.pvc.size) that already exists and is
         not this ModelWeights': never written into (it may be another team's).
         A claim named in storage.pvc.name is authorised as the user at admission."""
-        uid = mw.metadata.uid or ""
-        wanted = jobs.pvc_manifest(mw, uid)
-        if wanted is None:
+        pvc = mw.spec.storage.pvc if mw.spec.storage else None
+        if pvc is None or pvc.size is None:  # a claim named to be reused: authorised at admission
             return None
-        name = wanted["metadata"]["name"]
+        uid, name = mw.metadata.uid or "", claim_name(mw)
         found = _read(self.core.read_namespaced_persistent_volume_claim, name, mw.metadata.namespace)
         if found is None:
             return None

@@ -21,15 +21,13 @@ from pathlib import Path
 from typing import Callable
 
 from ..api.types import Artifact, ModelWeights
-from ..planner import ArtifactFacts, StepPhase, StepState
+from ..planner import MAX_PROGRESS_REPORT_BYTES, ArtifactFacts, StepPhase, StepState
 from ..locations import ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
 from .redact import redact
 from ..steps import Step
 
 MANIFEST = "ferry-manifest.json"
 PROGRESS_FILE = "progress.json"  # the worker's FERRY_PROGRESS_FILE
-# A progress report is a few hundred bytes; anything larger is not one.
-MAX_PROGRESS_BYTES = 4096
 # Runs one step's worker: one line in `<step>.launches` per worker started,
 # the worker's output in its log, and its exit code in `rc`, renamed into
 # place while the step's lock (inherited, and held by the worker too) is still
@@ -246,7 +244,8 @@ def _progress(path: Path) -> dict | None:
     """The worker's last progress report (untrusted: the planner validates it), if any."""
     try:
         with open(path, "rb") as f:
-            body = json.loads(f.read(MAX_PROGRESS_BYTES + 1)[:MAX_PROGRESS_BYTES])
+            data = f.read(MAX_PROGRESS_REPORT_BYTES + 1)
+        body = json.loads(data) if len(data) <= MAX_PROGRESS_REPORT_BYTES else None
     except (OSError, ValueError):
         return None
     return body if isinstance(body, dict) else None
