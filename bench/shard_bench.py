@@ -1,6 +1,6 @@
 """Benchmark `ferry shard` against `cp -r` of the same checkpoint, in one run.
 
-    .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3]
+    .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3] [--baseline CMD]
 
 Generates a Llama-3-8B-shaped checkpoint (hidden 4096, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256, bf16; `--layers` decoder layers: 8 gives
@@ -10,7 +10,10 @@ it) and `ferry shard --tensor-parallel-size TP`, each from a cold page cache
 when the kernel lets us drop it. Reports medians, the ratio cp/ferry, ferry's
 peak RSS (GNU time), and the bytes each rank reads to load: its
 rank files versus the whole checkpoint vLLM's default loader reads on every
-rank. Everything it writes is removed at the end.
+rank. `--layers 5` gives 4.28 GB (4 GiB). `--baseline` times a second ferry
+command (e.g. another checkout) in the same alternation, so that two releases
+are compared under the same disk and load. Everything it writes is removed at
+the end.
 """
 from __future__ import annotations
 
@@ -96,17 +99,18 @@ def write_checkpoint(directory: Path, layers: int) -> int:
     return total
 
 
-def timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one command.
+def timed(argv: list[str]) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS (bytes) and CPU seconds (user + system) of one command.
 
-    The RSS comes from GNU time, not from wait4 here: a child forked from this
+    These come from GNU time, not from wait4 here: a child forked from this
     process starts with this process's pages in its ru_maxrss.
     """
-    with tempfile.NamedTemporaryFile("r") as rss:
+    with tempfile.NamedTemporaryFile("r") as usage:
         start = time.perf_counter()
-        subprocess.run([GNU_TIME, "-f", "%M", "-o", rss.name, *argv], stdout=subprocess.DEVNULL, check=True)
+        subprocess.run([GNU_TIME, "-f", "%M %U %S", "-o", usage.name, *argv], stdout=subprocess.DEVNULL, check=True)
         elapsed = time.perf_counter() - start
-        return elapsed, int(rss.read().split()[-1]) * 1024
+        rss, user, system = usage.read().split()[-3:]
+        return elapsed, int(rss) * 1024, float(user) + float(system)
 
 
 def main() -> int:
@@ -117,6 +121,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ferry", default=f"{sys.executable} -m ferry_worker.cli",
                     help="the ferry command to time (default: %(default)s)")
+    ap.add_argument("--baseline", help="another ferry command, timed in the same runs (e.g. 'env "
+                                       "PYTHONPATH=/tmp/base/worker_image .venv/bin/python -m ferry_worker.cli')")
     args = ap.parse_args()
     if not Path(GNU_TIME).exists():
         raise SystemExit(f"{GNU_TIME} is needed for peak RSS (apt-get install time)")
@@ -127,20 +133,22 @@ def main() -> int:
         checkpoint_bytes = write_checkpoint(source, args.layers)
         if shutil.disk_usage(root).free < 2.5 * checkpoint_bytes:
             raise SystemExit(f"{root}: needs {2.5 * checkpoint_bytes / 1e9:.1f} GB free for the copies")
-        times: dict[str, list[float]] = {"cp -r": [], "cp -r; sync": [], "ferry shard": []}
-        peak_rss, cold = 0, True
+        ferries = {"ferry shard": args.ferry} | ({"ferry shard (baseline)": args.baseline} if args.baseline else {})
+        times: dict[str, list[float]] = {"cp -r": [], "cp -r; sync": [], **{label: [] for label in ferries}}
+        peak_rss, cpu, cold = dict.fromkeys(ferries, 0), {label: [] for label in ferries}, True
         for _ in range(args.runs):
             for label in times:
                 target = root / "copy"
                 cold &= try_drop_page_cache()
-                if label == "ferry shard":
-                    elapsed, rss = timed([*args.ferry.split(), "shard", "--source", str(source), "--output",
+                if label in ferries:
+                    elapsed, rss, cpu_seconds = timed([*ferries[label].split(), "shard", "--source", str(source), "--output",
                                           str(target), "--tensor-parallel-size", str(args.tp)])
-                    peak_rss = max(peak_rss, rss)
+                    peak_rss[label] = max(peak_rss[label], rss)
+                    cpu[label].append(cpu_seconds)
                     rank_bytes = _rank_bytes(target, args.tp)
                 else:
                     command = f"cp -r {source} {target}" + ("; sync" if "sync" in label else "")
-                    elapsed, _ = timed(["bash", "-c", command])
+                    elapsed, _, _ = timed(["bash", "-c", command])
                 times[label].append(elapsed)
                 shutil.rmtree(target)
         median = {label: statistics.median(values) for label, values in times.items()}
@@ -152,9 +160,15 @@ def main() -> int:
             "pageCache": "dropped before every run" if cold else "warm (could not drop it)",
             "seconds": times,
             "medianSeconds": median,
+            # SHA-256 is most of ferry's CPU: where the disk is fast, this is what bounds its wall time.
+            "medianCpuSeconds": {label: statistics.median(values) for label, values in cpu.items()},
             "ratioCpOverFerry": median["cp -r"] / median["ferry shard"],
             "ratioCpSyncOverFerry": median["cp -r; sync"] / median["ferry shard"],
-            "ferryPeakRssBytes": peak_rss,
+            **({"ratioCpSyncOverBaseline": median["cp -r; sync"] / median["ferry shard (baseline)"],
+                "ratioBaselineOverFerry": median["ferry shard (baseline)"] / median["ferry shard"]}
+               if args.baseline else {}),
+            "ferryPeakRssBytes": peak_rss["ferry shard"],
+            **({"baselinePeakRssBytes": peak_rss["ferry shard (baseline)"]} if args.baseline else {}),
             "bytesReadPerRankToLoad": {"ferryRankFiles": rank_bytes, "vllmDefaultLoader": checkpoint_bytes},
         }
         print(json.dumps(report, indent=2))

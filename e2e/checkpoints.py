@@ -70,42 +70,146 @@ LLAMA_BIASES = ModelCase("llama-biases", _llama_like("LlamaForCausalLM", "llama"
 
 ALL_CASES = (LLAMA3, LLAMA32_TIED, MISTRAL, QWEN2, QWEN3, LLAMA_BIASES)
 
+# The families of issue 16, scaled down from the releases named.
+# Phi-3-mini-4k: fused qkv_proj and gate_up_proj, untied.
+PHI3 = ModelCase("phi3", _llama_like("Phi3ForCausalLM", "phi3", num_key_value_heads=8, rope_theta=10000.0,
+                                     vocab_size=1000), "BF16")
+# Gemma-2-2b: four norms per layer, explicit head_dim, no lm_head (always tied).
+GEMMA2 = ModelCase("gemma2", _llama_like(
+    "Gemma2ForCausalLM", "gemma2", head_dim=32, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32,
+    sliding_window=256, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rms_norm_eps=1e-06,
+    tie_word_embeddings=True, vocab_size=1000), "BF16")
+# Gemma-3-1b: q_norm/k_norm too, tied.
+GEMMA3 = ModelCase("gemma3", _llama_like(
+    "Gemma3ForCausalLM", "gemma3_text", head_dim=32, hidden_activation="gelu_pytorch_tanh",
+    query_pre_attn_scalar=32, sliding_window=256, rms_norm_eps=1e-06, tie_word_embeddings=True,
+    rope_local_base_freq=10000.0, vocab_size=1000), "BF16")
+# Mixtral-8x7B: every layer MoE (w1/w2/w3 per expert), 4 experts, top 2.
+MIXTRAL = ModelCase("mixtral", _llama_like(
+    "MixtralForCausalLM", "mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0,
+    router_aux_loss_coef=0.02, output_router_logits=False, sliding_window=None, vocab_size=1000), "BF16")
+# Qwen3-30B-A3B: MoE with gate/up/down per expert, q/k norms, one dense layer (mlp_only_layers).
+QWEN3_MOE = ModelCase("qwen3-moe", _llama_like(
+    "Qwen3MoeForCausalLM", "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-06,
+    tie_word_embeddings=False, vocab_size=1000), "BF16")
+
+_MLA_CONFIG = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_rope_head_dim=16,
+                   qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=64, first_k_dense_replace=1, moe_layer_freq=1, rms_norm_eps=1e-06)
+# DeepSeek-V2-Lite: MLA without a q LoRA, 2 shared experts, layer 0 dense, softmax routing.
+DEEPSEEK_V2 = ModelCase("deepseek-v2", _llama_like(
+    "DeepseekV2ForCausalLM", "deepseek_v2", **_MLA_CONFIG, q_lora_rank=None, n_shared_experts=2,
+    topk_method="greedy", n_group=1, topk_group=1, scoring_func="softmax"), "BF16")
+# DeepSeek-V3: q LoRA (fused_qkv_a_proj), 1 shared expert, grouped sigmoid routing with a float32
+# e_score_correction_bias, and one multi-token-prediction layer past num_hidden_layers.
+DEEPSEEK_V3 = ModelCase("deepseek-v3", _llama_like(
+    "DeepseekV3ForCausalLM", "deepseek_v3", **_MLA_CONFIG, q_lora_rank=48, n_shared_experts=1,
+    topk_method="noaux_tc", n_group=2, topk_group=1, scoring_func="sigmoid", routed_scaling_factor=2.5,
+    num_nextn_predict_layers=1), "BF16",
+    extra_tensors=("model.layers.3.enorm.weight", "model.layers.3.eh_proj.weight"))
+
+BREADTH_CASES = (PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V2, DEEPSEEK_V3)
+
 
 def hf_tensor_shapes(config: dict) -> dict[str, list[int]]:
     """The tensors transformers' modelling code saves for this config."""
     arch = config["architectures"][0]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    tied = config.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)
+    shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
+    if not tied and arch != "Gemma2ForCausalLM":  # Gemma 2 always ties (no lm_head module)
+        shapes["lm_head.weight"] = [vocab, hidden]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + k: v for k, v in _attention_shapes(config).items()}
+        shapes |= {p + k: v for k, v in _mlp_shapes(config, i).items()}
+        shapes |= {p + "input_layernorm.weight": [hidden], p + "post_attention_layernorm.weight": [hidden]}
+        if arch in GEMMA_ARCHITECTURES:
+            shapes |= {p + "pre_feedforward_layernorm.weight": [hidden],
+                       p + "post_feedforward_layernorm.weight": [hidden]}
+    return shapes
+
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def _mla_shapes(config: dict) -> dict[str, list[int]]:
+    """DeepseekV2Attention (MLA) in transformers: q LoRA (V3) or a plain q_proj (V2-Lite)."""
+    hidden, heads, q_lora = config["hidden_size"], config["num_attention_heads"], config.get("q_lora_rank")
+    kv_lora, rope, nope, v = (config[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                                   "v_head_dim"))
+    shapes = {"self_attn.kv_a_proj_with_mqa.weight": [kv_lora + rope, hidden],
+              "self_attn.kv_a_layernorm.weight": [kv_lora],
+              "self_attn.kv_b_proj.weight": [heads * (nope + v), kv_lora],
+              "self_attn.o_proj.weight": [hidden, heads * v]}
+    if q_lora is None:
+        return shapes | {"self_attn.q_proj.weight": [heads * (nope + rope), hidden]}
+    return shapes | {"self_attn.q_a_proj.weight": [q_lora, hidden], "self_attn.q_a_layernorm.weight": [q_lora],
+                     "self_attn.q_b_proj.weight": [heads * (nope + rope), q_lora]}
+
+
+def _attention_shapes(config: dict) -> dict[str, list[int]]:
+    arch = config["architectures"][0]
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return _mla_shapes(config)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or hidden // heads
-    inter, vocab = config["intermediate_size"], config["vocab_size"]
-    shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
-    if not config.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = [vocab, hidden]
-    qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias", False)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": [heads * head_dim, hidden],
-            p + "self_attn.k_proj.weight": [kv_heads * head_dim, hidden],
-            p + "self_attn.v_proj.weight": [kv_heads * head_dim, hidden],
-            p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
-            p + "mlp.gate_proj.weight": [inter, hidden],
-            p + "mlp.up_proj.weight": [inter, hidden],
-            p + "mlp.down_proj.weight": [hidden, inter],
-            p + "input_layernorm.weight": [hidden],
-            p + "post_attention_layernorm.weight": [hidden],
-        }
-        if qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": [heads * head_dim],
-                       p + "self_attn.k_proj.bias": [kv_heads * head_dim],
-                       p + "self_attn.v_proj.bias": [kv_heads * head_dim]}
-        if arch in ("LlamaForCausalLM", "MistralForCausalLM") and config.get("attention_bias"):
-            shapes[p + "self_attn.o_proj.bias"] = [hidden]
-        if config.get("mlp_bias"):
-            shapes |= {p + "mlp.gate_proj.bias": [inter], p + "mlp.up_proj.bias": [inter],
-                       p + "mlp.down_proj.bias": [hidden]}
-        if arch == "Qwen3ForCausalLM":
-            shapes |= {p + "self_attn.q_norm.weight": [head_dim], p + "self_attn.k_norm.weight": [head_dim]}
+    q, kv = heads * head_dim, kv_heads * head_dim
+    if arch == "Phi3ForCausalLM":  # Phi3Attention: one fused qkv_proj
+        return {"self_attn.qkv_proj.weight": [q + 2 * kv, hidden], "self_attn.o_proj.weight": [hidden, q]}
+    shapes = {"self_attn.q_proj.weight": [q, hidden], "self_attn.k_proj.weight": [kv, hidden],
+              "self_attn.v_proj.weight": [kv, hidden], "self_attn.o_proj.weight": [hidden, q]}
+    if arch == "Qwen2ForCausalLM" or config.get("attention_bias", False):
+        shapes |= {"self_attn.q_proj.bias": [q], "self_attn.k_proj.bias": [kv], "self_attn.v_proj.bias": [kv]}
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM", *GEMMA_ARCHITECTURES) and config.get("attention_bias"):
+        shapes["self_attn.o_proj.bias"] = [hidden]
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
+        shapes |= {"self_attn.q_norm.weight": [head_dim], "self_attn.k_norm.weight": [head_dim]}
+    return shapes
+
+
+def _mlp_shapes(config: dict, layer: int) -> dict[str, list[int]]:
+    arch, hidden, inter = config["architectures"][0], config["hidden_size"], config["intermediate_size"]
+    if arch == "MixtralForCausalLM":  # MixtralSparseMoeBlock, saved with per-expert names
+        shapes = {"block_sparse_moe.gate.weight": [config["num_local_experts"], hidden]}
+        for e in range(config["num_local_experts"]):
+            x = f"block_sparse_moe.experts.{e}."
+            shapes |= {x + "w1.weight": [inter, hidden], x + "w2.weight": [hidden, inter],
+                       x + "w3.weight": [inter, hidden]}
+        return shapes
+    if arch == "Qwen3MoeForCausalLM" and layer not in config.get("mlp_only_layers", []) \
+            and (layer + 1) % config.get("decoder_sparse_step", 1) == 0:
+        moe_inter = config["moe_intermediate_size"]
+        shapes = {"mlp.gate.weight": [config["num_experts"], hidden]}
+        for e in range(config["num_experts"]):
+            x = f"mlp.experts.{e}."
+            shapes |= {x + "gate_proj.weight": [moe_inter, hidden], x + "up_proj.weight": [moe_inter, hidden],
+                       x + "down_proj.weight": [hidden, moe_inter]}
+        return shapes
+    if arch in DEEPSEEK_ARCHITECTURES and layer >= config["first_k_dense_replace"]:
+        moe_inter, experts = config["moe_intermediate_size"], config["n_routed_experts"]
+        shapes = {"mlp.gate.weight": [experts, hidden]}
+        if config.get("topk_method") == "noaux_tc":
+            shapes["mlp.gate.e_score_correction_bias"] = [experts]
+        for e in range(experts):
+            x = f"mlp.experts.{e}."
+            shapes |= {x + "gate_proj.weight": [moe_inter, hidden], x + "up_proj.weight": [moe_inter, hidden],
+                       x + "down_proj.weight": [hidden, moe_inter]}
+        shared = moe_inter * config["n_shared_experts"]
+        return shapes | {"mlp.shared_experts.gate_proj.weight": [shared, hidden],
+                         "mlp.shared_experts.up_proj.weight": [shared, hidden],
+                         "mlp.shared_experts.down_proj.weight": [hidden, shared]}
+    if arch == "Phi3ForCausalLM":  # Phi3MLP: one fused gate_up_proj
+        return {"mlp.gate_up_proj.weight": [2 * inter, hidden], "mlp.down_proj.weight": [hidden, inter]}
+    shapes = {"mlp.gate_proj.weight": [inter, hidden], "mlp.up_proj.weight": [inter, hidden],
+              "mlp.down_proj.weight": [hidden, inter]}
+    if config.get("mlp_bias"):
+        shapes |= {"mlp.gate_proj.bias": [inter], "mlp.up_proj.bias": [inter], "mlp.down_proj.bias": [hidden]}
     return shapes
 
 
@@ -131,6 +235,9 @@ def random_weights(config: dict, dtype: str, seed: int = 0) -> Weights:
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in hf_tensor_shapes(config).items():
+        if name.endswith("e_score_correction_bias"):  # float32 in DeepSeek-V3's checkpoint
+            weights[name] = ("F32", shape, to_dtype_bytes(0.01 * rng.standard_normal(shape), "F32"))
+            continue
         if name == "model.norm.weight":
             values = 10.0 * (1.0 + 0.1 * rng.standard_normal(shape))
         elif name.endswith("norm.weight"):

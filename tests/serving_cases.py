@@ -37,6 +37,11 @@ SPECS: dict[str, tuple[ModelWeightsSpec, Artifact]] = {
                                   storage=None,
                                   format={"type": "runai_streamer", "runaiStreamer": {"concurrency": 32}})),
                  Artifact(uri="s3://models/qwen", format="runai_streamer")),
+    # A MoE model pre-cut for expert parallelism over TP 4, experts round robin.
+    "hf-ep": (spec_of(manifest(format={"type": "sharded_state", "tensorParallelSize": 4, "expertParallel": True,
+                                       "expertPlacement": "round_robin"})),
+              Artifact(uri="pvc://llama-weights/llama/jkl", format="sharded_state", tensor_parallel_size=4,
+                       manifest_digest=DIGEST, experts=8, expert_parallel=True, target="hopper")),
     # A plain copy from a claim.
     "pvc": (spec_of(manifest(source={"uri": "pvc://models/checkpoints/llama-70b"},
                              format={"type": "safetensors", "tensorParallelSize": 2})),
@@ -166,6 +171,12 @@ SHAPES = [
           [], [MOUNT, "--max-model-len", "8192", "--load-format", "safetensors", "--tensor-parallel-size", "2",
                "--pipeline-parallel-size", "1", "--served-model-name", "/models/llama-70b"],
           spec="pvc", served=["/models/llama-70b"], entrypoints=("vllm-serve",)),
+    # The user's spellings of the expert-parallel flags go; Ferry's (from format.expertParallel) stay.
+    Shape("expert-parallel", ["vllm", "serve"],
+          [HUB_ID, "--max-model-len", "8192", "-ep", "--expert-placement-strategy=linear", "--enforce-eager"],
+          ["vllm", "serve"], [MOUNT, "--max-model-len", "8192", "--enforce-eager", *HF_FLAGS,
+                              "--enable-expert-parallel", "--expert-placement-strategy", "round_robin", *SERVED],
+          spec="hf-ep"),
     Shape("wrapper-script-flags", ["/scripts/start.sh"], ["--model", HUB_ID, "--max-model-len", "8192"],
           ["/scripts/start.sh"], ["--max-model-len", "8192", "--model", MOUNT, *HF_FLAGS, *SERVED], runnable=False),
 ]
@@ -173,3 +184,25 @@ SHAPES = [
 
 def shape_facts(shape: Shape) -> DeploymentFacts:
     return facts(copy.copy(shape.command), copy.copy(shape.args))
+
+
+# A container's own vLLM flags after `vllm serve MODEL`, and whether they ask for
+# what a pre-cut MoE artifact cannot serve: data parallelism above 1 or EPLB
+# (argparse keeps the last of each). test_serving_vllm.py checks that vLLM's
+# own parser reads each the same way.
+PARALLELISM_FLAGS = [
+    (["-dp", "2"], True),
+    (["--data-parallel-size", "4"], True),
+    (["--data-parallel-size=2"], True),
+    (["--data_parallel_size", "2"], True),
+    (["-dp=2"], True),
+    (["-dp", "1", "--max-model-len", "8192", "-dp", "2"], True),
+    (["--enable-eplb"], True),
+    (["--enable_eplb"], True),
+    (["--no-enable-eplb", "--enable-eplb"], True),
+    ([], False),
+    (["-dp", "1"], False),
+    (["--data-parallel-size", "2", "-dp", "1"], False),
+    (["--enable-eplb", "--no-enable-eplb"], False),
+    (["--eplb-config", '{"window_size": 1000}'], False),
+]

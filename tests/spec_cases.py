@@ -59,6 +59,14 @@ VALID = {
     "pp2-vllm-0.33": with_("format.pipelineParallelSize", 2, with_("format.vllmVersion", "0.33.1")),
     "pvc-source": manifest(source={"uri": "pvc://model-cache/llama-3-70b"}),
     "local-file-source": manifest(source={"uri": "file:///var/lib/models/llama"}),
+    "moe-expert-parallel": manifest(format={"type": "sharded_state", "tensorParallelSize": 8, "expertParallel": True,
+                                            "expertPlacement": "round_robin", "target": "ampere"}),
+    "safetensors-expert-parallel": manifest(format={"type": "safetensors", "tensorParallelSize": 2,
+                                                    "expertParallel": True}),
+    "tensorizer-expert-parallel": manifest(
+        format={"type": "tensorizer", "tensorParallelSize": 4, "expertParallel": True, "target": "rocm"},
+        storage={"pvc": {"size": "200Gi"}, "s3": {"uri": "s3://ferry-artifacts/qwen3-moe"}},
+    ),
 }
 
 # (id, manifest, field the error must name, words the message must contain)
@@ -111,4 +119,12 @@ INVALID = [
     ("pp-old-vllm", with_("format.pipelineParallelSize", 2, with_("format.vllmVersion", "0.31")),
      "spec.format.pipelineParallelSize", "vllmVersion >= 0.32"),
     ("unknown-field", with_("formatt", {"type": "safetensors"}), "spec.formatt", "unknown field"),
+    ("expert-parallel-tp1", with_("format", {"type": "sharded_state", "tensorParallelSize": 1,
+                                             "pipelineParallelSize": 2, "expertParallel": True}),
+     "spec.format.expertParallel", "expertParallel needs tensorParallelSize > 1"),
+    ("expert-placement-without-ep", with_("format.expertPlacement", "round_robin"), "spec.format.expertPlacement",
+     "expertPlacement other than linear needs expertParallel"),
+    ("expert-placement-enum", with_("format.expertPlacement", "random"), "spec.format.expertPlacement", "random"),
+    ("target-enum", with_("format.target", "h100"), "spec.format.target", "h100"),
+    ("expert-parallel-not-bool", with_("format.expertParallel", "yes"), "spec.format.expertParallel", "boolean"),
 ]

@@ -32,6 +32,8 @@ def test_defaults_fill_in():
     assert mw.spec.format.type == "safetensors"
     assert mw.spec.format.tensor_parallel_size == 1
     assert mw.spec.format.max_part_size == "5Gi"
+    fmt = mw.spec.format
+    assert (fmt.expert_parallel, fmt.expert_placement, fmt.target) == (False, "linear", "hopper")
     assert mw.spec.deletion_policy == "Retain"
     assert mw.spec.storage.pvc.access_modes == ["ReadWriteOnce"]
 

@@ -88,6 +88,30 @@ def test_a_result_is_parsed_strictly():
     assert jobs.parse_result("") is None and jobs.parse_result(None) is None and jobs.parse_result(" \n") is None
 
 
+def test_a_moe_results_facts_are_parsed_strictly_too():
+    body = {"manifestDigest": DIGEST, "totalBytes": 1, "files": 3, "experts": 128, "expertParallel": True,
+            "target": "blackwell"}
+    assert jobs.parse_result(json.dumps(body)) == jobs.StepResult(DIGEST, 1, experts=128, expert_parallel=True,
+                                                                 target="blackwell")
+    # An older worker, or a dense model: no facts.
+    assert jobs.parse_result(json.dumps({"manifestDigest": DIGEST, "totalBytes": 1})).experts is None
+
+
+@pytest.mark.parametrize("facts,words", [
+    ({"experts": True}, "experts True is not an integer in [0, 65536]"),
+    ({"experts": -1}, "experts -1 "),
+    ({"experts": 1 << 20}, "experts 1048576 "),
+    ({"experts": "8"}, "experts '8' "),
+    ({"expertParallel": 1}, "expertParallel 1 is not true or false"),
+    ({"expertParallel": "true"}, "expertParallel 'true' "),
+    ({"target": "h100"}, "target 'h100' is not one of ada, ampere, blackwell, hopper, rocm"),
+    ({"target": ["hopper"]}, "target ['hopper'] "),
+])
+def test_a_malformed_moe_fact_raises_naming_it(facts, words):
+    with pytest.raises(jobs.MalformedResult, match=re.escape(words)):
+        jobs.parse_result(json.dumps({"manifestDigest": DIGEST, "totalBytes": 1, **facts}))
+
+
 @pytest.mark.parametrize("message,words", [
     ("Traceback (most recent call last): ...", "not JSON"),
     ('["sha256:..."]', "not a JSON object"),

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from serving_cases import HUB_ID, MOUNT, SHAPES, SPECS, Shape, command_line, facts, shape_facts, wire
+from serving_cases import (HUB_ID, MOUNT, PARALLELISM_FLAGS, SHAPES, SPECS, Shape, command_line, facts,
+                           shape_facts, wire)
 
 SCRIPT = Path(__file__).with_name("vllm_serve_args.py")
 # The vllm/vllm-openai image's entrypoint: `vllm serve` today, the api_server module before.
@@ -62,6 +63,8 @@ def vllm_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     # A model after other flags is not recognised (vLLM documents `vllm serve [model_tag] [options]`).
     _, late = wire("hf", facts(["vllm", "serve"], ["--enforce-eager", HUB_ID, "--max-model-len", "8192"]))
     argvs["late-positional"] = sum(command_line(late), [])
+    for i, (flags, _) in enumerate(PARALLELISM_FLAGS):
+        argvs[f"parallelism-{i}"] = ["vllm", "serve", MOUNT, *flags]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.run([vllm_python, str(SCRIPT), json.dumps(list(argvs.values()))], capture_output=True,
                           text=True, env=env, cwd=root, timeout=600)
@@ -88,6 +91,9 @@ def test_vllm_serves_the_artifact_under_the_models_name(vllm_results, case_id: s
         assert got["port"] == shape.port
     if fmt.runai_streamer is not None:
         assert got["model_loader_extra_config"] == fmt.runai_streamer.model_dump(exclude_none=True)
+    assert (got["enable_expert_parallel"], got["expert_placement_strategy"]) == (fmt.expert_parallel,
+                                                                               fmt.expert_placement)
+    assert (got["data_parallel_size"], got["enable_eplb"]) == (1, False)
 
 
 @pytest.mark.vllm
@@ -103,3 +109,13 @@ def test_a_model_after_other_flags_fails_loudly_not_from_the_hub(vllm_results):
     got = vllm_results["late-positional"]
     assert got["argv"][:3] == ["vllm", "serve", MOUNT]
     assert "unrecognized arguments" in got.get("error", ""), got
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("i", range(len(PARALLELISM_FLAGS)), ids=[" ".join(f) or "none" for f, _ in PARALLELISM_FLAGS])
+def test_ferry_reads_data_parallelism_and_eplb_as_vllm_does(vllm_results, i: int):
+    """The flags Ferry refuses for a pre-cut MoE artifact are exactly those vLLM reads as DP > 1 or EPLB on."""
+    flags, refused = PARALLELISM_FLAGS[i]
+    got = vllm_results[f"parallelism-{i}"]
+    assert "error" not in got, f"vLLM refused {got['argv']}: {got['error']}"
+    assert (got["data_parallel_size"] > 1 or got["enable_eplb"]) == refused, got

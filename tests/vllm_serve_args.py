@@ -10,7 +10,7 @@ for the api_server modules — with sys.argv set, so vLLM's parser, its
 precedence rules all run. The server itself is replaced by a function that
 keeps the parsed arguments: no engine starts. Prints one line `RESULT {json}`
 per argv: what `AsyncEngineArgs.from_cli_args` makes of them (model, load
-format, parallel sizes, served name, max model len) and the port, or
+format, parallel sizes, expert parallelism, served name, max model len) and the port, or
 {"error": ...} when vLLM refuses the command line.
 """
 import contextlib
@@ -89,6 +89,10 @@ def resolve(argv: list[str]) -> dict:
         "served_model_name": engine.served_model_name,
         "max_model_len": engine.max_model_len,
         "model_loader_extra_config": engine.model_loader_extra_config,
+        "enable_expert_parallel": engine.enable_expert_parallel,
+        "expert_placement_strategy": engine.expert_placement_strategy,
+        "data_parallel_size": engine.data_parallel_size,
+        "enable_eplb": engine.enable_eplb,
         "port": getattr(args, "port", None),
     }
 

@@ -58,6 +58,10 @@ class ArtifactFacts:
     uri: str
     total_bytes: int
     manifest_digest: str
+    # How a MoE artifact's experts were cut (the manifest's extra); None: a dense model, or not reported.
+    experts: int | None = None
+    expert_parallel: bool | None = None
+    target: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,8 @@ def recorded_artifact(mw: ModelWeights, steps: list[Step], expected_uri: str | N
         return None
     if art.uri != expected_uri:
         return None
-    return ArtifactFacts(uri=art.uri, total_bytes=art.total_bytes, manifest_digest=art.manifest_digest)
+    return ArtifactFacts(uri=art.uri, total_bytes=art.total_bytes, manifest_digest=art.manifest_digest,
+                         experts=art.experts, expert_parallel=art.expert_parallel, target=art.target)
 
 
 def reported_progress(report: dict[str, Any] | None, step: str) -> Progress | None:
@@ -315,6 +320,9 @@ def _artifact_facts(mw: ModelWeights, steps: list[Step], artifact: ArtifactFacts
         total_bytes=artifact.total_bytes if artifact else 0,
         size=human_bytes(artifact.total_bytes) if artifact else None,
         manifest_digest=artifact.manifest_digest if artifact else None,
+        experts=artifact.experts if artifact else None,
+        expert_parallel=artifact.expert_parallel if artifact else None,
+        target=artifact.target if artifact else None,
         spec_digest=steps[-1].digest if artifact and steps else None,
     )
 
@@ -339,8 +347,8 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             return draft.stalled("DeploymentClaimed", message, facts, ConditionType.SERVING_UPDATED)
         try:
             patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current, loader)
-        except ServingError as exc:
-            return draft.stalled("ServingError", str(exc), facts, ConditionType.SERVING_UPDATED)
+        except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
+            return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
         if patch is not None:
             actions.append(PatchDeployment(ref.name, patch, current.service_account if gated else None))
             waiting.append(f"deployment {ref.name} patched")

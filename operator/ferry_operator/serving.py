@@ -1,7 +1,8 @@
 """Serving wiring: what Ferry writes into a vLLM Deployment. Pure.
 
 Ferry owns a small set of vLLM flags in the chosen container's command line
-and leaves every other word as the user wrote it; `serving_shapes` finds where
+(model, load format, parallel sizes, expert parallelism, loader config) and
+leaves every other word as the user wrote it; `serving_shapes` finds where
 vLLM reads its model in the usual container shapes (`vllm serve MODEL`, the
 api_server module, a `sh -c` script, an image entrypoint). The artifact is
 mounted read-only at /ferry/weights (PVC, or a hostPath for the local
@@ -20,8 +21,9 @@ from typing import Any
 from .api.types import Artifact, FormatType, ModelWeightsSpec
 from .serving_loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
                              health_probe, loader_container, local_volume, token_volume, unwired_gates, wired_gates)
-from .steps import s3_store_env
-from .serving_shapes import MANAGED_FLAGS, ServingError, recognise  # noqa: F401 (re-exported)
+from .steps import pre_cut, s3_store_env
+from .serving_shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
+                             ServingError, last_flag, recognise)
 
 MOUNT_PATH = "/ferry/weights"
 VOLUME_NAME = "ferry-weights"
@@ -103,6 +105,10 @@ def ferry_flags(spec: ModelWeightsSpec, artifact_uri: str = "") -> list[str]:
         "--tensor-parallel-size", str(fmt.tensor_parallel_size),
         "--pipeline-parallel-size", str(fmt.pipeline_parallel_size),
     ]
+    if fmt.expert_parallel:
+        flags.append("--enable-expert-parallel")
+        if fmt.expert_placement != "linear":
+            flags += ["--expert-placement-strategy", fmt.expert_placement]
     if fmt.type == FormatType.RUNAI_STREAMER.value and fmt.runai_streamer is not None:
         extra = fmt.runai_streamer.model_dump(exclude_none=True)
         if extra:
@@ -179,6 +185,42 @@ def loader_applies(spec: ModelWeightsSpec, artifact: Artifact, loader: LoaderSet
                 and artifact.manifest_digest)
 
 
+DATA_PARALLEL_FLAGS = frozenset({"--data-parallel-size", "-dp"})
+EPLB_SWITCHES = frozenset({"--enable-eplb", "--no-enable-eplb"})
+
+
+def parallelism_refusal(spec: ModelWeightsSpec, artifact: Artifact, shape: Recognised) -> str | None:
+    """Why the container's own vLLM flags cannot serve a pre-cut MoE artifact; None if they can.
+
+    Rank files carry only the tensor- and pipeline-parallel rank. With data
+    parallelism vLLM spreads a MoE layer over tensor x data-parallel ranks (its
+    MoE tensor-parallel or expert-parallel size grows with DP), and EPLB moves
+    experts between ranks at run time: no file was cut for either.
+    """
+    if not (pre_cut(spec.format) and artifact.experts):
+        return None
+    what = (f"the artifact is a pre-cut {spec.format.type} artifact of a MoE model ({artifact.experts} experts "
+            f"per layer), whose rank files carry only the tensor-parallel (and pipeline) rank")
+    instead = "serve format.type safetensors, where vLLM cuts the experts itself"
+    dp = last_flag(shape.args, DATA_PARALLEL_FLAGS)
+    if dp is not None:
+        word, value = dp.word, dp.value
+        if value is not None and not value.literal:
+            return (f"`{word} {value.raw or value.value}` sets vLLM's data-parallel size from a variable, which "
+                    f"Ferry cannot read, and {what}: write the size literally (1), or {instead}")
+        if value is not None and value.value.isdigit() and int(value.value) > 1:
+            return (f"`{word} {value.value}` asks vLLM for data parallelism, but {what}: with data parallelism "
+                    f"vLLM spreads the experts over tensor x data-parallel ranks "
+                    f"({spec.format.tensor_parallel_size} x {value.value}), which no file was cut for; "
+                    f"remove `{word}` (scale with Deployment replicas instead), or {instead}")
+    eplb = last_flag(shape.args, EPLB_SWITCHES)
+    if eplb is not None and eplb.name == "--enable-eplb":
+        return (f"`{eplb.word}` turns on vLLM's expert-parallel load balancer, which moves experts between ranks "
+                f"(and adds redundant ones) while serving, but {what} and a fixed set of experts each: "
+                f"remove --enable-eplb, or {instead}")
+    return None
+
+
 def deployment_patch(
     spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: DeploymentFacts,
     loader: LoaderSettings | None = None,
@@ -200,6 +242,9 @@ def deployment_patch(
         shape = recognise(command, args)
     except ServingError as exc:
         raise ServingError(f"deployment {current.name} container {name!r}: {exc}") from None
+    refusal = parallelism_refusal(spec, artifact, shape)
+    if refusal is not None:
+        raise ParallelismUnsupported(f"deployment {current.name} container {name!r}: {refusal}")
     ferry_set = current.template_annotations.get(SERVED_NAME_ANNOTATION)
     ours = ferry_set is not None and shape.served_names == [ferry_set]
     served = None

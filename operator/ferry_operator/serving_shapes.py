@@ -42,11 +42,19 @@ import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 
 class ServingError(Exception):
     """The Deployment cannot be wired as asked (e.g. the named container is missing)."""
+
+    reason = "ServingError"  # the Stalled condition's reason
+
+
+class ParallelismUnsupported(ServingError):
+    """The container asks vLLM for a parallelism the artifact's rank files cannot serve."""
+
+    reason = "ParallelismUnsupported"
 
 
 MODEL_FLAG = "--model"
@@ -62,7 +70,11 @@ MANAGED_FLAGS = {
     "--pipeline-parallel-size": "--pipeline-parallel-size",
     "-pp": "--pipeline-parallel-size",
     "--model-loader-extra-config": "--model-loader-extra-config",
+    "--expert-placement-strategy": "--expert-placement-strategy",
 }
+# Switches (no value) Ferry decides from format.expertParallel, both spellings
+# of vLLM's BooleanOptionalAction: a user's is dropped, so the flag is Ferry's alone.
+MANAGED_SWITCHES = frozenset({"--enable-expert-parallel", "-ep", "--no-enable-expert-parallel"})
 
 API_SERVER_MODULES = frozenset({"vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api_server.entry"})
 CLI_MODULE = "vllm.entrypoints.cli.main"
@@ -112,6 +124,9 @@ def _strip(toks: list[Tok], served_too: bool) -> list[Tok]:
     while i < len(toks):
         tok = toks[i]
         flag = _flag(tok.value)
+        if flag in MANAGED_SWITCHES:
+            i += 1
+            continue
         if flag in MANAGED_FLAGS:
             i += 1 if "=" in tok.value else 2
             continue
@@ -135,6 +150,30 @@ def _flag_value(toks: list[Tok], flag: str) -> Tok | None:
                 return Tok(tok.value.split("=", 1)[1], raw=raw, literal=tok.literal, origin=tok.origin)
             return toks[i + 1] if i + 1 < len(toks) else None
     return None
+
+
+class FlagUse(NamedTuple):
+    name: str  # normalised: `--data_parallel_size=2` -> `--data-parallel-size`
+    word: str  # as written
+    value: Tok | None  # None for a switch, or a flag that ends the line
+
+
+def last_flag(toks: Sequence[Tok], names: frozenset[str]) -> FlagUse | None:
+    """The last use of any of `names` (normalised spellings) among vLLM's arguments
+    (argparse keeps the last); None if there is none."""
+    found = None
+    for i, tok in enumerate(toks):
+        name = _flag(tok.value)
+        if name not in names:
+            continue
+        if "=" in tok.value:
+            raw = tok.raw.split("=", 1)[-1] if tok.raw is not None else None
+            found = FlagUse(name, tok.value, Tok(tok.value.split("=", 1)[1], raw=raw, literal=tok.literal,
+                                                 origin=tok.origin))
+        else:
+            value = toks[i + 1] if i + 1 < len(toks) and not _is_flag(toks[i + 1]) else None
+            found = FlagUse(name, tok.value, value)
+    return found
 
 
 def _served_names(toks: list[Tok]) -> list[str] | None:
@@ -251,6 +290,7 @@ class Recognised:
     model: str | None  # the model the container names (positional or --model); None: none given
     served_names: list[str] | None  # the --served-model-name values; None: unset
     _wire: Callable[[str, list[str], str | None, bool], tuple[list[str], list[str]]] = field(repr=False)
+    args: tuple[Tok, ...] = ()  # the words vLLM parses as its arguments (after `serve` or the module)
 
     def wire(self, model: str, flags: list[str], served_name: str | None,
              replace_served: bool) -> tuple[list[str], list[str]]:
@@ -272,8 +312,8 @@ def _model_tok(kind: str, rest: list[Tok]) -> tuple[Tok | None, Tok | None]:
 
 
 def _invocation(kind: str, toks: list[Tok], start: int, shape: str) -> tuple[str | None, list[str] | None,
-                                                                            Callable[..., list[Tok]]]:
-    """(user's model, served names, rewrite) for vLLM arguments toks[start:]."""
+                                                                            Callable[..., list[Tok]], tuple[Tok, ...]]:
+    """(user's model, served names, rewrite, vLLM's arguments) for vLLM arguments toks[start:]."""
     head, rest = toks[:start], toks[start:]
     positional, named = _model_tok(kind, rest)
     if named is not None and not named.literal:
@@ -294,7 +334,7 @@ def _invocation(kind: str, toks: list[Tok], start: int, shape: str) -> tuple[str
             return head + [Tok(model, origin=origin)] + kept + new
         return head + kept + [Tok(MODEL_FLAG), Tok(model)] + new
 
-    return (named.value if named is not None else None), _served_names(rest), rewrite
+    return (named.value if named is not None else None), _served_names(rest), rewrite, tuple(rest)
 
 
 def _split(toks: list[Tok]) -> tuple[list[str], list[str]]:
@@ -307,8 +347,8 @@ def _split(toks: list[Tok]) -> tuple[list[str], list[str]]:
 def _argv_shape(toks: list[Tok], found: _Match) -> Recognised:
     place = "command" if toks[found.at].origin == 0 else "args"
     shape = f"{found.what} in {place}"
-    model, served, rewrite = _invocation(found.kind, toks, found.start, shape)
-    return Recognised(shape, model, served, lambda *a: _split(rewrite(*a)))
+    model, served, rewrite, args = _invocation(found.kind, toks, found.start, shape)
+    return Recognised(shape, model, served, lambda *a: _split(rewrite(*a)), args)
 
 
 def recognise(command: list[str], args: list[str]) -> Recognised:
@@ -323,11 +363,11 @@ def recognise(command: list[str], args: list[str]) -> Recognised:
     if not command:
         if args and not args[0].startswith("-"):
             shape = "the image's entrypoint (`vllm serve`) with the model as args[0]"
-            model, served, rewrite = _invocation("serve", toks, 0, shape)
+            model, served, rewrite, vllm_args = _invocation("serve", toks, 0, shape)
         else:
             shape = "flags for the image's entrypoint"
-            model, served, rewrite = _invocation("flags", toks, 0, shape)
-        return Recognised(shape, model, served, lambda *a: _split(rewrite(*a)))
+            model, served, rewrite, vllm_args = _invocation("flags", toks, 0, shape)
+        return Recognised(shape, model, served, lambda *a: _split(rewrite(*a)), vllm_args)
     if args and not args[0].startswith("-"):
         raise ServingError(
             f"runs `{shlex.join(command)}`, which Ferry does not recognise as vLLM, with `{args[0]}` as its first "
@@ -336,8 +376,8 @@ def recognise(command: list[str], args: list[str]) -> Recognised:
             "wrapper flags only (Ferry sets `--model`)"
         )
     shape = f"flags for `{command[0]}`"
-    model, served, rewrite = _invocation("flags", toks, 1, shape)
-    return Recognised(shape, model, served, lambda *a: _split(rewrite(*a)))
+    model, served, rewrite, vllm_args = _invocation("flags", toks, 1, shape)
+    return Recognised(shape, model, served, lambda *a: _split(rewrite(*a)), vllm_args)
 
 
 # --- shell scripts ---------------------------------------------------------------
@@ -555,7 +595,7 @@ def _shell_shape(toks: list[Tok], found: _Match) -> Recognised:
         raise ServingError(f"{shape}: the vLLM command is joined to others with `{shown}` (a pipeline, "
                            f"redirection, subshell, `||` or background job), which Ferry does not rewrite; {fix}")
     inner = f"{shape} running {m.what}"
-    model, served, rewrite = _invocation(m.kind, ctoks, m.start, inner)
+    model, served, rewrite, vllm_args = _invocation(m.kind, ctoks, m.start, inner)
 
     def wire(*a) -> tuple[list[str], list[str]]:
         text = " ".join(t.raw if t.raw is not None else shlex.quote(t.value) for t in rewrite(*a))
@@ -563,4 +603,4 @@ def _shell_shape(toks: list[Tok], found: _Match) -> Recognised:
         new = [Tok(new_script, origin=t.origin) if t is script_tok else t for t in toks]
         return _split(new)
 
-    return Recognised(inner, model, served, wire)
+    return Recognised(inner, model, served, wire, vllm_args)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
-from .api.types import FormatType, ModelWeightsSpec, S3Storage, SecretRef
+from .api.types import Format, FormatType, ModelWeightsSpec, S3Storage, SecretRef
 
 
 class UnsupportedSpec(Exception):
@@ -42,6 +42,30 @@ SHAPING_FORMAT_FIELDS = {
 }
 
 
+# The format fields that say how a MoE model's experts are cut, at the defaults
+# that cut them as Ferry did before the fields existed. Only a pre-cut
+# artifact's bytes depend on them.
+MOE_FORMAT_DEFAULTS = {"expert_parallel": False, "expert_placement": "linear", "target": "hopper"}
+
+
+def pre_cut(fmt: Format) -> bool:
+    """Whether the artifact holds per-rank files cut the way vLLM allocates the model
+    (sharded_state; tensorizer's vllm layout), rather than the checkpoint's tensors."""
+    if fmt.type == FormatType.TENSORIZER.value:
+        return fmt.tensorizer is None or fmt.tensorizer.layout == "vllm"
+    return fmt.type == FormatType.SHARDED_STATE.value
+
+
+def moe_shaping(fmt: Format) -> dict[str, object]:
+    """The MoE fields that shape a pre-cut artifact, where they differ from their
+    defaults (at the defaults an artifact is cut as before the fields existed, so
+    its digest, and whether it is prepared again, must not change)."""
+    if not pre_cut(fmt):
+        return {}
+    values = fmt.model_dump(mode="json", include=set(MOE_FORMAT_DEFAULTS))
+    return {k: v for k, v in values.items() if v != MOE_FORMAT_DEFAULTS[k]}
+
+
 def spec_digest(spec: ModelWeightsSpec) -> str:
     """Digest of what determines the artifact's bytes (not serving flags or deletion settings)."""
     fmt = spec.format
@@ -49,8 +73,20 @@ def spec_digest(spec: ModelWeightsSpec) -> str:
         "source": spec.source.model_dump(mode="json", exclude={"credentials_secret_ref"}),
         "format": fmt.type,
         **fmt.model_dump(mode="json", include=SHAPING_FORMAT_FIELDS[fmt.type]),
+        **moe_shaping(fmt),
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def moe_argv(fmt: Format) -> list[str]:
+    """`ferry shard`/`tensorize --layout vllm` flags for the MoE fields, only where not at their defaults."""
+    shaping = moe_shaping(fmt)
+    argv = ["--expert-parallel"] if shaping.get("expert_parallel") else []
+    if "expert_placement" in shaping:
+        argv += ["--expert-placement", shaping["expert_placement"]]
+    if "target" in shaping:
+        argv += ["--target", shaping["target"]]
+    return argv
 
 
 def fetch_argv(spec: ModelWeightsSpec, output: str) -> tuple[str, ...]:
@@ -94,6 +130,7 @@ def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
             "--pipeline-parallel-size", str(fmt.pipeline_parallel_size),
             "--vllm-version", fmt.vllm_version,
             "--max-part-size", str(int(parse_quantity(fmt.max_part_size))),
+            *moe_argv(fmt),
         )
         return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("shard", shard, digest)]
     if fmt.type == FormatType.TENSORIZER.value:
@@ -103,6 +140,7 @@ def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
             "--layout", options.layout if options else "vllm",
             "--tensor-parallel-size", str(fmt.tensor_parallel_size),
             "--vllm-version", fmt.vllm_version,
+            *moe_argv(fmt),  # none for the hf layout: vLLM cuts its tensors in load_weights
         ]
         if options is not None and options.encryption_secret_ref is not None:
             tensorize += ["--encryption-key-file", "{tensorizer_key}"]

@@ -46,13 +46,20 @@ def is_input_error(error: BaseException) -> bool:
     return False
 
 
+# Facts of a manifest's `extra` the operator records (a MoE artifact's: how its
+# experts were cut); it refuses serving flags that the rank files cannot honour.
+RESULT_FACTS = ("experts", "expertParallel", "target")
+
+
 def step_result(directory: Path) -> dict:
-    """What the operator learns about a finished step: the manifest's digest and size."""
+    """What the operator learns about a finished step: the manifest's digest and size,
+    and the RESULT_FACTS its extra holds (none for a dense model or a plain copy)."""
     from .manifest import manifest_digest, read_manifest
 
     manifest = read_manifest(directory)
+    facts = {key: manifest.extra[key] for key in RESULT_FACTS if manifest.extra.get(key) is not None}
     return {"manifestDigest": manifest_digest(directory), "totalBytes": manifest.total_bytes,
-            "files": len(manifest.files)}
+            "files": len(manifest.files), **facts}
 
 
 def report_result(text: str) -> None:

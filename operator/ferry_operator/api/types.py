@@ -248,6 +248,23 @@ class FormatType(str, Enum):
     RUNAI_STREAMER = "runai_streamer"
 
 
+class ExpertPlacement(str, Enum):
+    """How vLLM places a MoE layer's experts on the expert-parallel ranks (--expert-placement-strategy)."""
+
+    LINEAR = "linear"
+    ROUND_ROBIN = "round_robin"
+
+
+class GpuTarget(str, Enum):
+    """The GPU family the serving pods run on."""
+
+    HOPPER = "hopper"
+    AMPERE = "ampere"
+    ADA = "ada"
+    BLACKWELL = "blackwell"
+    ROCM = "rocm"
+
+
 class TensorizerOptions(Model):
     """Options of the tensorizer format."""
 
@@ -287,6 +304,20 @@ FORMAT_RULES = [
         lambda f: f.runai_streamer is None or f.type == FormatType.RUNAI_STREAMER.value,
         ".runaiStreamer",
     ),
+    Rule(
+        "!self.expertParallel || self.tensorParallelSize > 1",
+        "expertParallel needs tensorParallelSize > 1: vLLM's expert-parallel size is the tensor-parallel size "
+        "here, and with one rank there is nothing to spread the experts over",
+        lambda f: not f.expert_parallel or f.tensor_parallel_size > 1,
+        ".expertParallel",
+    ),
+    Rule(
+        "self.expertPlacement == 'linear' || self.expertParallel",
+        "expertPlacement other than linear needs expertParallel: without expert parallelism every rank holds "
+        "a slice of every expert, so there is nothing to place",
+        lambda f: f.expert_placement == ExpertPlacement.LINEAR.value or f.expert_parallel,
+        ".expertPlacement",
+    ),
 ]
 
 
@@ -314,6 +345,25 @@ class Format(Model):
     )
     max_part_size: Quantity = Field(
         "5Gi", description="sharded_state: largest file per part (vLLM's default is 5 GiB)."
+    )
+    expert_parallel: bool = Field(
+        False,
+        strict=True,  # as the API server: "yes" is not a boolean
+        description="MoE models: serve with vLLM --enable-expert-parallel, each tensor-parallel rank holding whole "
+                    "experts (expert-parallel size = tensorParallelSize; needs it > 1). sharded_state and "
+                    "tensorizer (vllm layout) artifacts are cut that way; for the other formats it is only the "
+                    "serving flag.",
+    )
+    expert_placement: ExpertPlacement = Field(
+        ExpertPlacement.LINEAR,
+        description="With expertParallel: vLLM --expert-placement-strategy. linear: contiguous experts per rank; "
+                    "round_robin: expert e on rank e mod size (vLLM honours it only for models with expert groups).",
+    )
+    target: GpuTarget = Field(
+        GpuTarget.HOPPER,
+        description="GPU family of the serving pods. vLLM's MoE kernels on some of them allocate padded expert "
+                    "shapes (FlashInfer TRT-LLM on blackwell, AITER on rocm), which pre-cut artifacts (sharded_state, "
+                    "tensorizer vllm layout) must match; a combination Ferry cannot know is refused when preparing.",
     )
     tensorizer: TensorizerOptions | None = Field(None, description="tensorizer options.")
     runai_streamer: RunaiStreamerOptions | None = Field(None, description="Run:ai Model Streamer options.")
@@ -550,6 +600,10 @@ class Progress(Model):
     updated_at: datetime | None = Field(None, description="When this progress was reported.")
 
 
+# Routed experts per MoE layer (DeepSeek-V3: 256); a larger count is not a model's but a bad report.
+MAX_EXPERTS = 1 << 16
+
+
 class Artifact(Model):
     """The prepared artifact, once complete."""
 
@@ -563,6 +617,13 @@ class Artifact(Model):
     manifest_digest: str | None = Field(
         None, max_length=80, pattern=r"^sha256:[0-9a-f]{64}$", description="sha256 of ferry-manifest.json."
     )
+    experts: int | None = Field(
+        None, ge=0, le=MAX_EXPERTS,
+        description="Routed experts per MoE layer, as the artifact was cut (unset: a dense model, or not pre-cut).",
+    )
+    expert_parallel: bool | None = Field(
+        None, description="Whether the artifact's expert layers are cut for vLLM --enable-expert-parallel.")
+    target: GpuTarget | None = Field(None, description="GPU family the artifact's MoE layout was cut for.")
     spec_digest: str | None = Field(
         None, max_length=64, pattern=r"^[0-9a-f]{8,64}$",
         description="Digest of the spec fields that shaped this artifact. While it matches the spec, this record "

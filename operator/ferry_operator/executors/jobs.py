@@ -2,7 +2,7 @@
 
 The claim is mounted at /weights in prepare Jobs; where on it (and in S3) an
 object's artifacts go, with its uid in every path, is locations.py's.
-A step's result (manifest digest, bytes) comes back through the pod's
+A step's result (manifest digest, bytes, MoE facts) comes back through the pod's
 termination message, so the operator never needs to read the volume.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from ..api.types import API_VERSION, KIND, ModelWeights
+from ..api.types import API_VERSION, KIND, MAX_EXPERTS, GpuTarget, ModelWeights
 from ..locations import claim_name, digest_dir, dns_name, identity, s3_artifact_uri, step_paths
 from ..steps import Step, s3_store_env
 from .redact import redact
@@ -323,14 +323,44 @@ def worker_identity(namespace: str, settings: WorkerSettings) -> list[dict[str, 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a step's worker reports (its termination message): the manifest's digest and size."""
+    """What a step's worker reports (its termination message): the manifest's digest and size,
+    and for a MoE artifact how its experts were cut (absent: a dense model, or an older worker)."""
 
     manifest_digest: str
     total_bytes: int
+    experts: int | None = None
+    expert_parallel: bool | None = None
+    target: str | None = None
 
 
 class MalformedResult(ValueError):
     """A termination message that is not a step result as the worker writes it."""
+
+
+_TARGETS = frozenset(t.value for t in GpuTarget)
+
+
+def parse_moe_facts(body: dict[str, Any]) -> dict[str, Any]:
+    """`experts`, `expertParallel` and `target` of a step result (or a manifest's
+    extra), as StepResult fields; MalformedResult names one that is not what the
+    worker writes (they decide which vLLM flags a Deployment may keep)."""
+    facts: dict[str, Any] = {}
+    experts = body.get("experts")
+    if experts is not None:
+        if type(experts) is not int or not 0 <= experts <= MAX_EXPERTS:  # not bool
+            raise MalformedResult(f"experts {redact(repr(experts))[:40]} is not an integer in [0, {MAX_EXPERTS}]")
+        facts["experts"] = experts
+    expert_parallel = body.get("expertParallel")
+    if expert_parallel is not None:
+        if type(expert_parallel) is not bool:
+            raise MalformedResult(f"expertParallel {redact(repr(expert_parallel))[:40]} is not true or false")
+        facts["expert_parallel"] = expert_parallel
+    target = body.get("target")
+    if target is not None:
+        if not isinstance(target, str) or target not in _TARGETS:  # a list is not hashable
+            raise MalformedResult(f"target {redact(repr(target))[:40]} is not one of {', '.join(sorted(_TARGETS))}")
+        facts["target"] = target
+    return facts
 
 
 _MANIFEST_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # fullmatch: "$" would let a trailing newline by
@@ -355,7 +385,7 @@ def parse_result(message: str | None) -> StepResult | None:
         raise MalformedResult(f"manifestDigest {redact(repr(digest))[:80]} is not sha256:<64 hex digits>")
     if type(size) is not int or size < 0:  # not bool, not float
         raise MalformedResult(f"totalBytes {redact(repr(size))[:40]} is not a non-negative integer")
-    return StepResult(manifest_digest=digest, total_bytes=size)
+    return StepResult(manifest_digest=digest, total_bytes=size, **parse_moe_facts(result))
 
 
 def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings) -> dict[str, Any]:

@@ -214,4 +214,5 @@ class KubernetesExecutor:
             return None
         return None if result is None else ArtifactFacts(
             uri=claim_artifact_uri(mw, last.digest), total_bytes=result.total_bytes,
-            manifest_digest=result.manifest_digest)
+            manifest_digest=result.manifest_digest, experts=result.experts,
+            expert_parallel=result.expert_parallel, target=result.target)

@@ -23,6 +23,7 @@ from typing import Callable
 from ..api.types import Artifact, ModelWeights
 from ..planner import MAX_PROGRESS_REPORT_BYTES, ArtifactFacts, StepPhase, StepState
 from ..locations import ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
+from .jobs import MalformedResult, parse_moe_facts, parse_result
 from .redact import redact
 from ..steps import Step
 
@@ -173,22 +174,30 @@ class LocalExecutor:
             # The worker's result: the manifest it published, read back from the store.
             result = self._state(mw.metadata.namespace, mw.metadata.name, last.id) / "result.json"
             try:
-                body = json.loads(result.read_text())
-            except (OSError, ValueError):
+                parsed = parse_result(result.read_text())
+            except (OSError, MalformedResult):
                 return None
-            if "manifestDigest" not in body:
+            if parsed is None:
                 return None
-            return ArtifactFacts(uri=s3, total_bytes=int(body["totalBytes"]), manifest_digest=body["manifestDigest"])
+            return ArtifactFacts(uri=s3, total_bytes=parsed.total_bytes, manifest_digest=parsed.manifest_digest,
+                                 experts=parsed.experts, expert_parallel=parsed.expert_parallel, target=parsed.target)
         directory = self._paths(mw.metadata.namespace, mw.metadata.name, last.digest)["artifact"]
         manifest = directory / MANIFEST
         if not manifest.is_file():
             return None
         data = manifest.read_bytes()
         body = json.loads(data)
+        extra = body.get("extra")
+        try:
+            # The same facts, checked the same way, as a Job's result carries from this manifest.
+            moe = parse_moe_facts(extra if isinstance(extra, dict) else {})
+        except MalformedResult:
+            return None
         return ArtifactFacts(
             uri=f"file://{directory}",
             total_bytes=int(body["totalBytes"]),
             manifest_digest="sha256:" + hashlib.sha256(data).hexdigest(),
+            **moe,
         )
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:

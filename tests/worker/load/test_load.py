@@ -127,21 +127,41 @@ def test_copy_to_writes_the_verified_bytes_and_the_manifest_last(artifact: Path,
     assert digest(local) == digest(artifact)
 
 
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """4 KiB blocks and segments, so that small files have several."""
+    from ferry_worker import manifest
+    from ferry_worker.load import reader
+
+    monkeypatch.setattr(manifest, "BLOCK_SIZE", 4096)
+    monkeypatch.setattr(reader, "BLOCK_SIZE", 4096)
+    monkeypatch.setattr(reader, "MIN_SEGMENT", 4096)
+
+
+def blocks_of(data: bytes, size: int = 4096) -> tuple[str, ...]:
+    return tuple(sha(data[i:i + size]) for i in range(0, len(data), size)) or (sha(b""),)
+
+
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
 def test_reader_reads_every_byte_in_order(tmp_path: Path, size: int):
     data = bytes((i * 7 + 3) % 251 for i in range(size))
     (tmp_path / "f").write_bytes(data)
     seen: list[int] = []
-    digests = read_files(tmp_path, [FileEntry("f", size, "")], ReadOptions(readers=3, chunk_size=4096),
-                         seen.append, copy_to=tmp_path / "copy")
-    assert digests["f"] == hashlib.sha256(data).hexdigest()
+    read_files(tmp_path, [FileEntry("f", size, sha(data))], ReadOptions(readers=3, chunk_size=4096),
+               seen.append, copy_to=tmp_path / "copy")
     assert sum(seen) == size and (tmp_path / "copy" / "f").read_bytes() == data
+    with pytest.raises(IntegrityError, match=f"f: sha256 {sha(data)} != {sha(b'other')} in manifest"):
+        read_files(tmp_path, [FileEntry("f", size, sha(b"other"))], ReadOptions(readers=3, chunk_size=4096))
 
 
 def test_reader_fails_on_a_file_shorter_than_the_manifest_says(tmp_path: Path):
     (tmp_path / "f").write_bytes(b"x" * 5000)
     with pytest.raises(IntegrityError, match="f: ended at byte 5000"):
-        read_files(tmp_path, [FileEntry("f", 9000, "")], ReadOptions(readers=2, chunk_size=4096))
+        read_files(tmp_path, [FileEntry("f", 9000, sha(b"x" * 9000))], ReadOptions(readers=2, chunk_size=4096))
 
 
 @pytest.mark.parametrize("hashed", [True, False])
@@ -155,36 +175,50 @@ def test_segments_cover_every_byte_once_in_order(tmp_path: Path, monkeypatch, ha
     options = ReadOptions(readers=8, chunk_size=1000, segments=4, files_at_once=1, hash=hashed)
     assert [e - s for s, e in options.cut(size, 1)] == [5151, 5151, 5151, 5150]
     seen: list[int] = []
-    digests = read_files(tmp_path, [FileEntry("f", size, "")], options, seen.append)
-    assert digests["f"] == (hashlib.sha256(data).hexdigest() if hashed else "")
+    read_files(tmp_path, [FileEntry("f", size, sha(data))], options, seen.append)
     # Progress counts each byte once: the consumer's bytes when hashing, the segments' otherwise.
     assert sum(seen) == size
     with pytest.raises(IntegrityError, match="f: ended at byte"):
-        read_files(tmp_path, [FileEntry("f", size + 9000, "")], options)
+        read_files(tmp_path, [FileEntry("f", size + 9000, sha(data))], options)
 
 
-def test_block_digests_verify_a_file_in_parallel_and_name_the_block(tmp_path: Path, monkeypatch):
-    from ferry_worker.load import reader
+def test_block_digests_verify_a_file_in_parallel_and_name_the_block(tmp_path: Path, small_blocks):
     from ferry_worker import manifest
 
-    monkeypatch.setattr(manifest, "BLOCK_SIZE", 4096)
-    monkeypatch.setattr(reader, "BLOCK_SIZE", 4096)
-    monkeypatch.setattr(reader, "MIN_SEGMENT", 4096)
     data = bytes((i * 7) % 256 for i in range(4 * 4096 + 10))
-    h = manifest.BlockHasher(4096)
+    h = manifest.BlockHasher()
     for i in range(0, len(data), 1000):  # fed in uneven pieces
         h.update(data[i:i + 1000])
-    sha256, blocks = h.result()
-    assert sha256 == hashlib.sha256(data).hexdigest() and len(blocks) == 5
-    assert blocks[1] == hashlib.sha256(data[4096:8192]).hexdigest()
+    blocks = h.result()
+    assert blocks == blocks_of(data) and len(blocks) == 5
     (tmp_path / "f").write_bytes(data)
     options = ReadOptions(readers=8, chunk_size=1500, segments=3, files_at_once=1)
     assert all(start % 4096 == 0 for start, _ in options.cut(len(data), 1, align=4096))
     seen: list[int] = []
-    entry = FileEntry("f", len(data), sha256, blocks)
-    assert read_files(tmp_path, [entry], options, seen.append) == {"f": sha256} and sum(seen) == len(data)
+    entry = FileEntry("f", len(data), blocks=blocks)  # blocks only, as `ferry shard` writes rank files
+    read_files(tmp_path, [entry], options, seen.append)
+    assert sum(seen) == len(data)
     bad = bytearray(data)
     bad[3 * 4096 + 5] ^= 1
     (tmp_path / "f").write_bytes(bytes(bad))
     with pytest.raises(IntegrityError, match=r"f: block 3 \(bytes 12288-16383\)"):
         read_files(tmp_path, [entry], options)
+
+
+@pytest.mark.parametrize("size", [0, 10, 4096, 3 * 4096 + 5])
+def test_a_copy_is_checked_against_block_digests_before_it_is_published(tmp_path: Path, small_blocks, size: int):
+    """--copy-to reads in order (the copy is written front to back): the blocks are checked on the way."""
+    data = bytes((i * 5 + 1) % 256 for i in range(size))
+    (tmp_path / "f").write_bytes(data)
+    entry = FileEntry("f", size, blocks=blocks_of(data))
+    options = ReadOptions(readers=4, chunk_size=1000)
+    read_files(tmp_path, [entry], options, copy_to=tmp_path / "copy")
+    assert (tmp_path / "copy" / "f").read_bytes() == data
+    read_files(tmp_path, [entry], options)  # and without a copy, by the segment readers
+    if not size:
+        return
+    (tmp_path / "f").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    last = len(entry.blocks) - 1
+    with pytest.raises(IntegrityError, match=f"f: block {last} "):
+        read_files(tmp_path, [entry], options, copy_to=tmp_path / "bad")
+    assert not (tmp_path / "bad" / "f").exists() and not list((tmp_path / "bad").iterdir())

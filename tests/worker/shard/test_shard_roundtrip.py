@@ -11,7 +11,10 @@ from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, read_manifest, 
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.unshard import UNSHARDED_NAME, unshard
 
-from checkpoints import ALL_CASES, LLAMA3, LLAMA32_TIED, ModelCase, read_safetensors
+from ferry_worker.shard.experts import MoeTarget
+
+from checkpoints import (ALL_CASES, BREADTH_CASES, DEEPSEEK_V2, DEEPSEEK_V3, LLAMA3, LLAMA32_TIED, MIXTRAL, QWEN3_MOE,
+                         ModelCase, read_safetensors)
 
 COMPANIONS = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json"}
@@ -19,10 +22,28 @@ COMPANIONS = {"config.json", "generation_config.json", "tokenizer.json", "tokeni
 
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", ALL_CASES + BREADTH_CASES, ids=lambda c: c.name)
 def test_round_trip_is_bit_exact(make_checkpoint, tmp_path, case: ModelCase, tp: int, pp: int):
+    config = case.config
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or tp
+    if experts < tp or config["num_attention_heads"] % tp:
+        pytest.skip("more ranks than experts or heads: refused (test_shard_moe, test_shard_layout)")
+    _assert_round_trip(make_checkpoint, tmp_path, case, tp=tp, pp=pp)
+
+
+# 6 experts over 4 ranks: 2, 2, 1, 1.
+MIXTRAL_6 = ModelCase("mixtral-6-experts", {**MIXTRAL.config, "num_local_experts": 6}, "BF16")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("case", [MIXTRAL, MIXTRAL_6, QWEN3_MOE, DEEPSEEK_V2, DEEPSEEK_V3], ids=lambda c: c.name)
+def test_expert_parallel_round_trip_is_bit_exact(make_checkpoint, tmp_path, case: ModelCase, tp: int):
+    _assert_round_trip(make_checkpoint, tmp_path, case, tp=tp, pp=1, moe=MoeTarget(expert_parallel=True))
+
+
+def _assert_round_trip(make_checkpoint, tmp_path, case: ModelCase, **target) -> None:
     source, weights = make_checkpoint(case)
-    ShardJob.prepare(source, tmp_path / "sharded", tp=tp, pp=pp).run()
+    ShardJob.prepare(source, tmp_path / "sharded", **target).run()
     unshard(tmp_path / "sharded", tmp_path / "rebuilt")
     rebuilt = read_safetensors(tmp_path / "rebuilt" / UNSHARDED_NAME)
     read_by_vllm = {n: w for n, w in weights.items() if n not in case.extra_tensors}
@@ -73,7 +94,7 @@ def test_unshard_refuses_a_tampered_artifact(make_checkpoint, tmp_path):
     data = bytearray(rank_file.read_bytes())
     data[-1] ^= 0xFF
     rank_file.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match="model-rank-0-part-0.safetensors: sha256"):
+    with pytest.raises(IntegrityError, match="model-rank-0-part-0.safetensors: block 0"):
         unshard(tmp_path / "out", tmp_path / "rebuilt")
 
 

@@ -4,6 +4,10 @@
                                "dtype": "bfloat16", "prompts": [[token ids], ...], "max_tokens": 16,
                                "state_dicts": false}, ...]'
 
+Optional spec keys: "enable_expert_parallel" (passed to LLM), "generate"
+(default true), "original" (see "loaders"), "dump" (see "dumps"),
+"catch_errors" (a failure becomes {"error": ...} and the next spec runs).
+
 Runs each engine in turn (one process: vLLM's import and start-up dominate)
 and prints one line `RESULT {json}` per run with:
 
@@ -15,6 +19,13 @@ and prints one line `RESULT {json}` per run with:
   from ShardedStateLoader reading the engine's artifact, as key -> [shape,
   dtype, sha256]. Both are taken before `process_weights_after_loading`,
   which on CPU repacks the Linear weights out of the state_dict.
+- "dumps" (when "dump" names a directory): every worker writes, for its
+  rank, the filtered state_dict of a fresh model loaded by vLLM's default
+  loader from the engine's checkpoint ("original" when given, else "model"),
+  before `process_weights_after_loading`, to `DUMP/rank-pp{P}-tp{T}.safetensors`
+  with `DUMP/rank-pp{P}-tp{T}.json` (key -> [shape, dtype], in module order):
+  vLLM's own per-rank layout, the reference for Ferry's tables. The result
+  lists each worker's ranks and files.
 """
 import json
 import sys
@@ -31,52 +42,107 @@ RESULT_PREFIX = "RESULT "
 torch.cpu._init_amx()
 
 
-def _loaded_state_dicts(worker, original: str) -> dict:
-    """Runs inside each vLLM worker (collective_rpc)."""
+def _fresh_state(worker, load_format: str, model_config) -> dict:
+    """A fresh model of the worker's rank, loaded with `load_format` from
+    `model_config.model`, before process_weights_after_loading: its filtered
+    state_dict (the tensors ShardedStateLoader reads and writes)."""
     import copy
-    import hashlib
 
     import torch
     from vllm.config import LoadConfig, set_current_vllm_config
-    from vllm.distributed import get_pipeline_model_parallel_rank, get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    artifact_config = worker.vllm_config.model_config
-    original_config = copy.copy(artifact_config)
-    original_config.model = original
+    # Attention and MoE layers register by name in the compilation config:
+    # build the extra models against a copy with an empty registry.
+    vllm_config = copy.copy(worker.vllm_config)
+    vllm_config.compilation_config = copy.copy(vllm_config.compilation_config)
+    vllm_config.compilation_config.static_forward_context = {}
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+        get_model_loader(LoadConfig(load_format=load_format)).load_weights(model, model_config)
+    return ShardedStateLoader._filter_subtensors(model.state_dict())
 
-    def load(load_format: str, model_config) -> dict:
-        # Attention layers register by name in the compilation config: build
-        # the extra models against a copy with an empty registry.
-        vllm_config = copy.copy(worker.vllm_config)
-        vllm_config.compilation_config = copy.copy(vllm_config.compilation_config)
-        vllm_config.compilation_config.static_forward_context = {}
-        with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-            get_model_loader(LoadConfig(load_format=load_format)).load_weights(model, model_config)
-        state = ShardedStateLoader._filter_subtensors(model.state_dict())
+
+def _ranks() -> dict:
+    from vllm.distributed import get_pipeline_model_parallel_rank, get_tensor_model_parallel_rank
+    from vllm.distributed.parallel_state import get_ep_group
+
+    ranks = {"pp_rank": get_pipeline_model_parallel_rank(), "tp_rank": get_tensor_model_parallel_rank()}
+    try:
+        ranks["ep_rank"] = get_ep_group().rank_in_group
+    except AssertionError:  # vLLM creates the EP group for MoE models only
+        ranks["ep_rank"] = None
+    return ranks
+
+
+def _original_config(worker, original: str | None):
+    import copy
+
+    config = copy.copy(worker.vllm_config.model_config)
+    if original:
+        config.model = original
+    return config
+
+
+def _loaded_state_dicts(worker, original: str) -> dict:
+    """Runs inside each vLLM worker (collective_rpc)."""
+    import hashlib
+
+    import torch
+
+    def digests(state: dict) -> dict:
         return {key: [list(t.shape), str(t.dtype).removeprefix("torch."),
                       hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()]
                 for key, t in state.items()}
 
     return {
-        "pp_rank": get_pipeline_model_parallel_rank(),
-        "tp_rank": get_tensor_model_parallel_rank(),
-        "default": load("auto", original_config),
-        "sharded": load("sharded_state", artifact_config),
+        **_ranks(),
+        "default": digests(_fresh_state(worker, "auto", _original_config(worker, original))),
+        "sharded": digests(_fresh_state(worker, "sharded_state", worker.vllm_config.model_config)),
     }
 
 
+def _dump_reference(worker, directory: str, original: str | None) -> dict:
+    """Runs inside each vLLM worker (collective_rpc): writes this rank's
+    reference state_dict (default loader, before PWAL) as safetensors + JSON."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    ranks = _ranks()
+    state = _fresh_state(worker, "auto", _original_config(worker, original))
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"rank-pp{ranks['pp_rank']}-tp{ranks['tp_rank']}"
+    # clone(): the filter keeps views into larger storages, which save_file refuses.
+    save_file({k: t.detach().contiguous().clone() for k, t in state.items()}, str(out / f"{stem}.safetensors"))
+    layout = {k: [list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in state.items()}
+    (out / f"{stem}.json").write_text(json.dumps({**ranks, "tensors": layout}, indent=1))
+    return {**ranks, "file": str(out / f"{stem}.safetensors"), "tensors": len(layout)}
+
+
 def run(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(model=spec["model"], load_format=spec["load_format"], tensor_parallel_size=spec["tp"],
               pipeline_parallel_size=spec.get("pp", 1), dtype=spec["dtype"], max_model_len=256,
-              enforce_eager=True, seed=0)
+              enforce_eager=True, seed=0, enable_expert_parallel=spec.get("enable_expert_parallel", False))
+    try:
+        return _use(llm, spec)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _use(llm, spec: dict) -> dict:
+    from vllm import SamplingParams
+
     result: dict = {}
+    if spec.get("dump"):
+        result["dumps"] = llm.collective_rpc(_dump_reference, args=(spec["dump"], spec.get("original")))
     if spec.get("original"):
         result["loaders"] = llm.collective_rpc(_loaded_state_dicts, args=(spec["original"],))
     if spec.get("generate", True):
@@ -87,13 +153,26 @@ def run(spec: dict) -> dict:
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
         result["top2"] = [[sorted(([token, lp.logprob] for token, lp in step.items()), key=lambda t: -t[1])[:2]
                            for step in o.outputs[0].logprobs] for o in outputs]
-    llm.llm_engine.engine_core.shutdown()
     return result
+
+
+def run_catching(spec: dict) -> dict:
+    """With "catch_errors": a failing engine (start-up, dump or generation)
+    becomes {"error": ...} so one batch can survey what vLLM's CPU backend
+    runs; without it the error ends the process, as the tests want."""
+    if not spec.get("catch_errors"):
+        return run(spec)
+    import traceback
+
+    try:
+        return run(spec)
+    except Exception as e:  # noqa: BLE001  (reported, not swallowed)
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
 
 
 def main() -> None:
     for spec in json.loads(sys.argv[1]):
-        print(RESULT_PREFIX + json.dumps(run(spec)), flush=True)
+        print(RESULT_PREFIX + json.dumps(run_catching(spec)), flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this module

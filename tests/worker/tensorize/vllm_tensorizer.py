@@ -90,7 +90,7 @@ def run(spec: dict) -> list:
     from vllm import LLM
 
     llm = LLM(model=spec["model"], tensor_parallel_size=spec["tp"], dtype=spec["dtype"], max_model_len=256,
-              enforce_eager=True, seed=0)
+              enforce_eager=True, seed=0, enable_expert_parallel=spec.get("enable_expert_parallel", False))
     try:
         return llm.collective_rpc(_loaded, args=(spec["checks"],))
     finally:

@@ -6,7 +6,8 @@
 2. Cheap checks of every file this pod needs (present, the manifest's size),
    so a missing or truncated file is named at once.
 3. Every byte read in parallel (the page cache is then warm for vLLM) and
-   hashed against the manifest: a wrong byte is named by file. `--verify size`
+   hashed against the manifest (a rank file's block digests, another file's
+   sha256): a wrong byte is named by file (and block). `--verify size`
    skips the hashing (the read still happens).
 4. With `--copy-to`, the same pass writes a copy (node-local disk, for slow
    network filesystems), its manifest last.
@@ -102,11 +103,8 @@ def _load_dir(request: LoadRequest, started: float) -> LoadResult:
     full = request.verify == "full"
     options = dataclasses.replace(request.options, hash=full)
     with Progress("load", selection.total_bytes, [LogLines()]) as progress:
-        digests = read_files(root, selection.entries, options, progress.advance, request.copy_to)
-    if full:
-        for entry in selection.entries:
-            if digests[entry.path] != entry.sha256:
-                raise IntegrityError(f"{entry.path}: sha256 {digests[entry.path]} != {entry.sha256} in manifest")
+        # Checks each file against its digest (block digests, else sha256) as it reads it.
+        read_files(root, selection.entries, options, progress.advance, request.copy_to)
     if request.copy_to is not None:
         with atomic_file(request.copy_to / MANIFEST_NAME) as f:  # last: the copy is complete
             f.write(data)

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from ..cli_args import parse_size, positive_int
+from .experts import DEFAULT_TARGET, PLACEMENTS, TARGETS, MoeTarget
 from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION
 
 log = logging.getLogger("ferry")
@@ -34,6 +35,7 @@ def add_shard_commands(subparsers: argparse._SubParsersAction) -> None:
     shard.add_argument("--pp-layer-partition", type=_layer_partition, metavar="N,N,...",
                        help="layers per pipeline stage, when serving with VLLM_PP_LAYER_PARTITION set to the same")
     shard.add_argument("--jobs", type=positive_int, metavar="N", help="files written at once (default: cores, >= 2)")
+    add_moe_arguments(shard)
     shard.set_defaults(run=_shard)
 
     rebuild = subparsers.add_parser(
@@ -44,6 +46,21 @@ def add_shard_commands(subparsers: argparse._SubParsersAction) -> None:
     rebuild.add_argument("artifact", type=Path, metavar="ARTIFACT")
     rebuild.add_argument("--output", required=True, type=Path, metavar="DIR")
     rebuild.set_defaults(run=_unshard)
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a MoE model's experts are cut (expert parallelism is refused for a dense model)."""
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="MoE: cut expert layers for vLLM's --enable-expert-parallel (whole experts per rank)")
+    parser.add_argument("--expert-placement", choices=PLACEMENTS, default="linear",
+                        help="MoE with --expert-parallel: vLLM's --expert-placement-strategy (default linear)")
+    parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET,
+                        help=f"GPU family of the serving pods, where vLLM's MoE layout depends on it "
+                             f"(default {DEFAULT_TARGET})")
+
+
+def moe_target(args: argparse.Namespace) -> MoeTarget:
+    return MoeTarget(expert_parallel=args.expert_parallel, placement=args.expert_placement, gpu=args.target)
 
 
 def _layer_partition(text: str) -> list[int]:
@@ -62,7 +79,7 @@ def _shard(args: argparse.Namespace) -> int:
 
     job = ShardJob.prepare(args.source, args.output, tp=args.tensor_parallel_size, pp=args.pipeline_parallel_size,
                            vllm_version=args.vllm_version, max_part_size=args.max_part_size,
-                           pp_layer_partition=args.pp_layer_partition)
+                           pp_layer_partition=args.pp_layer_partition, moe=moe_target(args))
     with Progress("shard", job.total_bytes, default_sinks()) as progress:
         manifest = job.run(jobs=args.jobs, on_bytes=progress.advance)
     log.info("wrote %d files (%d bytes) to %s for vLLM %s, TP %d x PP %d", len(manifest.files),

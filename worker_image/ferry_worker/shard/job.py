@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..manifest import MANIFEST_NAME, TMP_MARKER, FileEntry, Manifest, atomic_file, sha256_file, write_manifest
+from .experts import MoeTarget
 from .model import ShardError
 from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
@@ -41,7 +42,7 @@ class ShardJob:
     @classmethod
     def prepare(cls, source: Path, output: Path, *, tp: int, pp: int = 1, vllm_version: str = DEFAULT_VLLM_VERSION,
                 max_part_size: int | None = DEFAULT_MAX_PART_SIZE,
-                pp_layer_partition: list[int] | None = None) -> "ShardJob":
+                pp_layer_partition: list[int] | None = None, moe: MoeTarget = MoeTarget()) -> "ShardJob":
         """Validate the checkpoint and the target and plan every file; raise ShardError otherwise."""
         source, output = source.resolve(), output.resolve()
         if output == source:
@@ -54,7 +55,7 @@ class ShardJob:
             raise ShardError(f"max part size must be positive, got {max_part_size}")
         checkpoint = open_checkpoint(source)
         plan = plan_shards(checkpoint.config, checkpoint.specs, tp=tp, pp=pp, vllm=vllm,
-                           max_part_size=max_part_size, pp_layer_partition=pp_layer_partition)
+                           max_part_size=max_part_size, pp_layer_partition=pp_layer_partition, moe=moe)
         companions = tuple(companion_files(source))
         job = cls(checkpoint, output, plan, max_part_size, companions)
         job._check_output()
@@ -136,6 +137,7 @@ class ShardJob:
             "sourceTensors": {name: {"dtype": spec.dtype, "shape": list(spec.shape)}
                               for name, spec in sorted(self.checkpoint.specs.items())},
             "skippedTensors": dict(plan.skipped) | {c: f"tied copy of {t}" for c, t in plan.tied_copies.items()},
+            **plan.moe_facts(),
         }
 
 

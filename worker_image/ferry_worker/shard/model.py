@@ -1,7 +1,7 @@
 """The sizes of a decoder-only model, read from config.json the way vLLM reads them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .layouts import Family
 
@@ -29,6 +29,8 @@ class ModelDims:
     vocab: int
     layers: int
     tie_word_embeddings: bool
+    # The family's own sizes (`Family.sizes`): experts, moe_intermediate, ...
+    extra: tuple[tuple[str, int], ...] = field(default=())
 
     @classmethod
     def from_config(cls, family: Family, config: dict) -> "ModelDims":
@@ -48,6 +50,13 @@ class ModelDims:
         if head_dim < 1:
             raise ShardError(f"config.json: hidden_size {hidden} // num_attention_heads {heads} leaves head_dim 0")
         kv_heads = required("num_key_value_heads", default=heads)
+        extra = {}
+        for size in family.sizes:
+            key = next((k for k in size.keys if config.get(k) is not None), size.keys[0])
+            extra[size.symbol] = 0 if size.optional and config.get(key) is None else required(key)
+        if family.derived_sizes is not None:
+            common = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+            extra |= family.derived_sizes(common | extra)
         return cls(
             hidden=hidden,
             heads=heads,
@@ -56,12 +65,17 @@ class ModelDims:
             intermediate=required("intermediate_size"),
             vocab=required("vocab_size"),
             layers=required("num_hidden_layers"),
-            # The transformers config classes of these families default to untied.
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tied_by_default)),
+            extra=tuple(extra.items()),
         )
 
     def size(self, symbol: str) -> int:
-        """The length of a symbolic dimension used in the layout tables."""
+        """The length of a symbolic dimension used in the layout tables (`a+b`: a sum)."""
+        if "+" in symbol:
+            return sum(self.size(part) for part in symbol.split("+"))
+        extra = dict(self.extra)
+        if symbol in extra:
+            return extra[symbol]
         return {
             "hidden": self.hidden,
             "intermediate": self.intermediate,
@@ -74,9 +88,15 @@ class ModelDims:
     def shape(self, symbols: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(s) for s in symbols)
 
-    def check_tensor_parallel(self, tp: int) -> None:
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE layer; 0 for a dense model."""
+        return dict(self.extra).get("experts", 0)
+
+    def check_tensor_parallel(self, tp: int, *, dense_mlp: bool = True) -> None:
         """Refuse a TP size vLLM itself would assert on (QKVParallelLinear,
-        LlamaAttention, VocabParallelEmbedding all use `divide`)."""
+        LlamaAttention, VocabParallelEmbedding all use `divide`). `dense_mlp`:
+        whether any layer has a dense MLP cut by `intermediate`."""
         problems = []
         if self.heads % tp:
             problems.append(f"{self.heads} attention heads")
@@ -84,7 +104,7 @@ class ModelDims:
             problems.append(f"{self.kv_heads} KV heads (TP above the KV head count must be a multiple of it)")
         if tp < self.kv_heads and self.kv_heads % tp:
             problems.append(f"{self.kv_heads} KV heads")
-        if self.intermediate % tp:
+        if dense_mlp and self.intermediate % tp:
             problems.append(f"intermediate size {self.intermediate}")
         if pad_vocab(self.vocab) % tp:
             problems.append(f"padded vocabulary {pad_vocab(self.vocab)}")

@@ -21,7 +21,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
-from .layouts import Family, Param, Placement, Source, Split, family_for
+from .experts import MoeTarget, check_moe, expert_ranks
+from .layouts import Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
 from .tensors import itemsize
 from .versions import VllmTarget
@@ -37,6 +38,8 @@ CONFIG_SIZES = {
     "vocab": "vocab_size", "hidden": "hidden_size", "intermediate": "intermediate_size", "head_dim": "head_dim",
     "q": "num_attention_heads x head_dim", "kv": "num_key_value_heads x head_dim",
 }
+EXPERT = "{e}"  # the expert index in a MoE source name
+MAX_EXTRA_LAYERS = 8  # DeepSeek-V3 ships 1 multi-token-prediction layer
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,26 @@ class ShardPlan:
     # Redundant copies of a tied LM head -> the tensor written in their place;
     # the bytes must be proven identical before anything is written.
     tied_copies: Mapping[str, str] = field(default_factory=dict)
+    moe: MoeTarget = MoeTarget()
+    experts: int = 0  # routed experts per MoE layer; 0 for a dense model
 
     @property
     def data_bytes(self) -> int:
         return sum(f.data_bytes for f in self.files)
 
+    def moe_facts(self) -> dict:
+        """What a MoE artifact was cut for (empty for a dense model), for its
+        manifest: the operator records it and refuses serving flags the files
+        cannot honour (data parallelism, EPLB)."""
+        if not self.experts:
+            return {}
+        return {"experts": self.experts, "expertParallel": self.moe.expert_parallel,
+                "expertPlacement": self.moe.placement, "target": self.moe.gpu}
+
 
 def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp: int, vllm: VllmTarget,
-                max_part_size: int | None, pp_layer_partition: list[int] | None = None) -> ShardPlan:
+                max_part_size: int | None, pp_layer_partition: list[int] | None = None,
+                moe: MoeTarget = MoeTarget()) -> ShardPlan:
     """Plan every rank file, or raise ShardError naming what is wrong."""
     if tp < 1 or pp < 1:
         raise ShardError(f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
@@ -137,75 +152,121 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
         raise ShardError(f"config.json sets {', '.join(refused)}: vLLM builds modules for it that "
                          f"ferry shard has no layout for")
     dims = ModelDims.from_config(family, config)
+    layers = _Layers(family, config, dims)
     flags = {name: flag.value(config) for name, flag in family.flags.items()}
-    check_dims_against_checkpoint(family, dims, flags, tensors)
-    dims.check_tensor_parallel(tp)
-    skipped, tied_copies = _check_sources(family, dims, flags, tensors)
+    check_dims_against_checkpoint(family, dims, flags, tensors, layers)
+    dims.check_tensor_parallel(tp, dense_mlp=layers.any(Mlp.DENSE))
+    if moe.gpu in family.refused_targets:
+        raise ShardError(f"{family.name}: {family.refused_targets[moe.gpu]}")
+    if family.is_moe:
+        check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
+                  expert_groups=int(config.get("n_group") or 1))
+    elif moe.expert_parallel:
+        raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
+    skipped, tied_copies = _check_sources(family, dims, flags, tensors, layers)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
-    cutter = _Cutter(dims, tp, tensors)
+    cutter = _Cutter(dims, tp, tensors, moe)
     files = []
     for pp_rank, layer_range in enumerate(ranges):
-        params = _stage_params(family, dims, flags, vllm, layer_range,
+        params = _stage_params(family, dims, flags, vllm, layers, layer_range,
                                first=pp_rank == 0, last=pp_rank == pp - 1)
         for tp_rank in range(tp):
-            planned = [cutter.cut(name, sources, tp_rank) for name, sources in params]
+            planned = [cutter.cut(entry, tp_rank) for entry in params]
             files += _split_parts(planned, vllm, pp, pp_rank, tp_rank, max_part_size)
-    return ShardPlan(family.name, dims, tp, pp, vllm, tuple(ranges), tuple(files), skipped, tied_copies)
+    return ShardPlan(family.name, dims, tp, pp, vllm, tuple(ranges), tuple(files), skipped, tied_copies,
+                     moe if family.is_moe else MoeTarget(), dims.experts)
 
 
-def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool]) -> dict[str, tuple[int, ...]]:
+class _Layers:
+    """Which decoder layers are MoE layers, and which layer params each holds."""
+
+    def __init__(self, family: Family, config: dict, dims: ModelDims):
+        self.family, self.config, self.count = family, config, dims.layers
+        self._kinds: list[Mlp] | None = None
+
+    def kind(self, layer: int) -> Mlp:
+        if self._kinds is None:  # only once the layer count is checked against the checkpoint
+            self._kinds = [self.family.layer_mlp(self.config, i) for i in range(self.count)]
+        return self._kinds[layer]
+
+    def any(self, kind: Mlp) -> bool:
+        return any(self.kind(i) is kind for i in range(self.count))
+
+    def holds(self, param: Param, layer: int, flags: Mapping[str, bool]) -> bool:
+        return ((param.when is None or flags[param.when])
+                and (param.mlp is None or param.mlp is self.kind(layer)))
+
+    def first_holding(self, param: Param, flags: Mapping[str, bool]) -> int | None:
+        return next((i for i in range(self.count) if self.holds(param, i, flags)), None)
+
+
+def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
+                     layers: "_Layers") -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor vLLM reads for this model, with its shape."""
     expected: dict[str, tuple[int, ...]] = {}
     for param in (*family.pre_layer_params, *family.post_layer_params):
         for source in _model_param_sources(param, dims):
-            expected[source.hf_name] = dims.shape(source.shape)
+            expected[source.hf_name] = dims.shape(source.hf_shape)
     for i in range(dims.layers):
         for param in family.layer_params:
-            if param.when is None or flags[param.when]:
+            if layers.holds(param, i, flags):
                 for source in param.sources:
-                    expected[LAYER_PREFIX.format(i=i) + source.hf_name] = dims.shape(source.shape)
+                    for e in range(dims.experts if param.experts else 1):
+                        name = LAYER_PREFIX.format(i=i) + source.hf_name.replace(EXPERT, str(e))
+                        expected[name] = dims.shape(source.hf_shape)
     return expected
 
 
 def check_dims_against_checkpoint(family: Family, dims: ModelDims, flags: Mapping[str, bool],
-                                  tensors: Mapping[str, TensorSpec]) -> None:
+                                  tensors: Mapping[str, TensorSpec], layers: "_Layers") -> None:
     """Refuse config.json sizes that the checkpoint's tensors contradict, before
-    any table or loop is sized by them (a config may claim a billion layers).
+    any table or loop is sized by them (a config may claim a billion layers or experts).
 
     The layer count may not exceed the layers the checkpoint holds tensors for
     (fewer is refused later, naming the unexpected tensors); each size must be
     the extent of the first tensor that uses it (the embedding's rows are
-    vocab_size, layer 0's q_proj rows num_attention_heads x head_dim, ...).
+    vocab_size, layer 0's q_proj rows num_attention_heads x head_dim, a
+    router's rows the expert count, ...).
     """
     indices = {int(m.group(1)) for name in tensors if (m := LAYER_INDEX.match(name))}
     if dims.layers > len(indices):
         held = f"{len(indices)} layer(s), numbered 0 to {max(indices)}" if indices else "no model.layers.* tensors"
         raise ShardError(f"config.json: num_hidden_layers is {dims.layers}, but the checkpoint holds {held}")
-    for symbol, (name, axis) in _first_use_of_each_size(family, dims, flags, tensors).items():
+    for symbol, (name, axis) in _first_use_of_each_size(family, dims, flags, tensors, layers).items():
         extent = tensors[name].shape[axis]
         if extent != dims.size(symbol):
-            raise ShardError(f"config.json: {CONFIG_SIZES[symbol]} is {_size_expression(dims, symbol)}, but the "
-                             f"checkpoint's {name} has {extent} on dim {axis} (shape {list(tensors[name].shape)})")
+            raise ShardError(f"config.json: {_config_words(family, symbol)} is {_size_expression(dims, symbol)}, "
+                             f"but the checkpoint's {name} has {extent} on dim {axis} "
+                             f"(shape {list(tensors[name].shape)})")
 
 
 def _first_use_of_each_size(family: Family, dims: ModelDims, flags: Mapping[str, bool],
-                            tensors: Mapping[str, TensorSpec]) -> dict[str, tuple[str, int]]:
+                            tensors: Mapping[str, TensorSpec], layers: "_Layers") -> dict[str, tuple[str, int]]:
     """symbol -> (tensor name, axis) of the first checkpoint tensor, in table
-    order (layer 0 for the layers), whose shape uses it. Tensors absent or of
-    another rank are left to the full check that follows."""
-    layer0 = LAYER_PREFIX.format(i=0)
+    order (the first layer that holds it, expert 0), whose shape uses it.
+    Tensors absent or of another rank are left to the full check that follows."""
     sources = [s for p in family.pre_layer_params for s in _model_param_sources(p, dims)]
-    sources += [Source(layer0 + s.hf_name, s.shape, s.split) for p in family.layer_params
-                if p.when is None or flags[p.when] for s in p.sources]
+    for param in family.layer_params:
+        layer = layers.first_holding(param, flags)
+        if layer is not None:
+            sources += [Source(LAYER_PREFIX.format(i=layer) + s.hf_name.replace(EXPERT, "0"), s.shape, s.split,
+                               s.fused) for s in param.sources]
     sources += [s for p in family.post_layer_params for s in _model_param_sources(p, dims)]
     found: dict[str, tuple[str, int]] = {}
     for source in sources:
         spec = tensors.get(source.hf_name)
-        if spec is None or len(spec.shape) != len(source.shape):
+        if spec is None or len(spec.shape) != len(source.hf_shape):
             continue
-        for axis, symbol in enumerate(source.shape):
-            found.setdefault(symbol, (source.hf_name, axis))
+        for axis, symbol in enumerate(source.hf_shape):
+            # Sums and sizes derived from others are checked by the full shape check that follows.
+            if symbol in CONFIG_SIZES or any(k.symbol == symbol for k in family.sizes):
+                found.setdefault(symbol, (source.hf_name, axis))
     return found
+
+
+def _config_words(family: Family, symbol: str) -> str:
+    size_key = next((k for k in family.sizes if k.symbol == symbol), None)
+    return " / ".join(size_key.keys) if size_key else CONFIG_SIZES[symbol]
 
 
 def _size_expression(dims: ModelDims, symbol: str) -> str:
@@ -223,19 +284,22 @@ def _model_param_sources(param: Param, dims: ModelDims) -> tuple[Source, ...]:
 
 
 def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
-                   tensors: Mapping[str, TensorSpec]) -> tuple[dict[str, str], dict[str, str]]:
+                   tensors: Mapping[str, TensorSpec], layers: "_Layers") -> tuple[dict[str, str], dict[str, str]]:
     """Refuse a checkpoint with missing, misshapen or unexpected tensors.
 
     Returns the tensors vLLM skips (name -> why) and the redundant copies of a
     tied LM head (name -> the tensor vLLM uses instead), which the caller must
     prove identical: vLLM releases disagree on which one they serve.
     """
-    expected = expected_sources(family, dims, flags)
+    expected = expected_sources(family, dims, flags, layers)
     skipped: dict[str, str] = {}
     tied_copies: dict[str, str] = {}
+    extra_layers = range(dims.layers, dims.layers + _extra_layers(family, layers.config))
     for name in tensors:
         if name.endswith(family.ignored_suffixes):
             skipped[name] = "non-persistent buffer that vLLM does not load"
+        elif (m := LAYER_INDEX.match(name)) and int(m.group(1)) in extra_layers:
+            skipped[name] = f"layer past num_hidden_layers ({family.extra_layers_key}), which vLLM's model skips"
     if dims.tie_word_embeddings:
         for param in (*family.pre_layer_params, *family.post_layer_params):
             if param.tied_source and param.name in tensors:
@@ -258,90 +322,129 @@ def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
     return skipped, tied_copies
 
 
+def _extra_layers(family: Family, config: dict) -> int:
+    value = config.get(family.extra_layers_key) if family.extra_layers_key else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_EXTRA_LAYERS else 0
+
+
 def _listing(items: list[str]) -> str:
     shown = ", ".join(items[:MAX_LISTED])
     return shown + (f" (and {len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else "")
 
 
-def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vllm: VllmTarget,
-                  layer_range: tuple[int, int], *, first: bool, last: bool) -> list[tuple[str, tuple[Source, ...]]]:
-    """The (state_dict key, sources) of one pipeline stage, in vLLM's module order."""
+@dataclass(frozen=True)
+class _Entry:
+    """One key of a stage's state_dict and what it is built from."""
+
+    name: str
+    sources: tuple[Source, ...]  # empty: an attention scale buffer
+    experts: bool = False
+
+
+def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vllm: VllmTarget, layers: _Layers,
+                  layer_range: tuple[int, int], *, first: bool, last: bool) -> list[_Entry]:
+    """The state_dict entries of one pipeline stage, in vLLM's module order."""
     on_stage = {
         Placement.FIRST_STAGE: first,
         Placement.LAST_STAGE: last,
         Placement.FIRST_STAGE_AND_LAST_IF_TIED: first or (last and dims.tie_word_embeddings),
+        Placement.EVERY_STAGE: True,
     }
 
-    def model_params(params: tuple[Param, ...]) -> list[tuple[str, tuple[Source, ...]]]:
-        return [(p.name, _model_param_sources(p, dims)) for p in params if on_stage[p.placement]]
+    def model_params(params: tuple[Param, ...]) -> list[_Entry]:
+        return [_Entry(p.name, _model_param_sources(p, dims)) for p in params if on_stage[p.placement]]
 
-    layers = []
+    entries = []
     for i in range(*layer_range):
         prefix = LAYER_PREFIX.format(i=i)
         for param in family.layer_params:
-            if param.when is None or flags[param.when]:
-                layers.append((prefix + param.name,
-                               tuple(Source(prefix + s.hf_name, s.shape, s.split) for s in param.sources)))
+            if layers.holds(param, i, flags):
+                entries.append(_Entry(prefix + param.name,
+                                      tuple(Source(prefix + s.hf_name, s.shape, s.split, s.fused)
+                                            for s in param.sources), param.experts))
         for buffer in vllm.attention_scale_buffers:
-            layers.append((f"{prefix}{family.attention_module}.{buffer}", ()))
-    return _drop_shared_storage(model_params(family.pre_layer_params) + layers
+            entries.append(_Entry(f"{prefix}{family.attention_module}.{buffer}", ()))
+    return _drop_shared_storage(model_params(family.pre_layer_params) + entries
                                 + model_params(family.post_layer_params))
 
 
-def _drop_shared_storage(params: list[tuple[str, tuple[Source, ...]]]) -> list[tuple[str, tuple[Source, ...]]]:
+def _drop_shared_storage(entries: list[_Entry]) -> list[_Entry]:
     """vLLM saves and loads `_filter_subtensors(model.state_dict())`: of the
     parameters sharing one storage (the tied LM head and input embedding) it
     keeps the smallest key, at the position where that storage first appears."""
     by_sources: dict[tuple[Source, ...], list[str]] = {}
-    for name, sources in params:
-        if sources:
-            by_sources.setdefault(sources, []).append(name)
+    for entry in entries:
+        if entry.sources:
+            by_sources.setdefault(entry.sources, []).append(entry.name)
     kept, seen = [], set()
-    for name, sources in params:
-        if not sources:
-            kept.append((name, sources))
-        elif sources not in seen:
-            seen.add(sources)
-            kept.append((min(by_sources[sources]), sources))
+    for entry in entries:
+        if not entry.sources:
+            kept.append(entry)
+        elif entry.sources not in seen:
+            seen.add(entry.sources)
+            kept.append(_Entry(min(by_sources[entry.sources]), entry.sources, entry.experts))
     return kept
 
 
 class _Cutter:
     """Cuts one parameter for one tensor-parallel rank."""
 
-    def __init__(self, dims: ModelDims, tp: int, tensors: Mapping[str, TensorSpec]):
-        self.dims, self.tp, self.tensors = dims, tp, tensors
+    def __init__(self, dims: ModelDims, tp: int, tensors: Mapping[str, TensorSpec], moe: MoeTarget):
+        self.dims, self.tp, self.tensors, self.moe = dims, tp, tensors, moe
 
-    def cut(self, name: str, sources: tuple[Source, ...], rank: int) -> PlannedTensor:
-        if not sources:  # an attention scale buffer: a 0-d float32 1.0
-            return PlannedTensor(name, SCALE_DTYPE, (), (Constant(struct.pack("<f", 1.0)),))
+    def cut(self, entry: _Entry, rank: int) -> PlannedTensor:
+        if not entry.sources:  # an attention scale buffer: a 0-d float32 1.0
+            return PlannedTensor(entry.name, SCALE_DTYPE, (), (Constant(struct.pack("<f", 1.0)),))
+        if entry.experts:
+            return self._cut_experts(entry, rank)
+        pieces = [p for source in entry.sources for p in self._cut_source(source, rank, self.tp)]
+        rows = sum(self._piece_rows(p) for p in pieces)
+        trailing = self._trailing_shape(entry.sources[0], pieces[0])
+        return PlannedTensor(entry.name, self._dtype(entry.name, entry.sources), (rows, *trailing), tuple(pieces))
+
+    def _cut_experts(self, entry: _Entry, rank: int) -> PlannedTensor:
+        """FusedMoE's stack: for each expert the rank holds, its sources cut by
+        the MoE layer's tensor-parallel size (1 under expert parallelism)."""
+        if self.moe.expert_parallel:
+            held, moe_tp, moe_rank = expert_ranks(self.dims.experts, self.tp, rank, self.moe.placement), 1, 0
+        else:
+            held, moe_tp, moe_rank = list(range(self.dims.experts)), self.tp, rank
+        per_expert = [[_for_expert(s, e) for s in entry.sources] for e in held]
+        pieces = [[p for s in sources for p in self._cut_source(s, moe_rank, moe_tp)] for sources in per_expert]
+        rows = sum(self._piece_rows(p) for p in pieces[0])
+        trailing = self._trailing_shape(per_expert[0][0], pieces[0][0])
+        dtype = self._dtype(entry.name, tuple(s for sources in per_expert for s in sources))
+        return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))
+
+    def _dtype(self, name: str, sources: tuple[Source, ...]) -> str:
         dtypes = {self.tensors[s.hf_name].dtype for s in sources}
         if len(dtypes) > 1:
             raise ShardError(f"{name} fuses {', '.join(s.hf_name for s in sources)} whose dtypes differ "
                              f"({', '.join(sorted(dtypes))}); their bytes cannot be concatenated")
-        pieces: list[Piece] = []
-        for source in sources:
-            pieces += self._cut_source(source, rank)
-        rows = sum(self._piece_rows(p) for p in pieces)
-        trailing = self._trailing_shape(sources[0], pieces[0])
-        return PlannedTensor(name, dtypes.pop(), (rows, *trailing), tuple(pieces))
+        return dtypes.pop()
 
-    def _cut_source(self, source: Source, rank: int) -> list[Piece]:
-        shape = self.tensors[source.hf_name].shape
-        name, tp, dims = source.hf_name, self.tp, self.dims
+    def _cut_source(self, source: Source, rank: int, tp: int) -> list[Piece]:
+        """The pieces of `source` for `rank` of `tp`; a fused source's rows are
+        offset by the parts before it."""
+        name, dims = source.hf_name, self.dims
+        rows = dims.size(source.shape[0])
+        offset = 0
+        if source.fused is not None:
+            index, parts = source.fused
+            offset = sum(dims.size(p) for p in parts[:index])
         if source.split is Split.REPLICATED:
-            return [Rows(name, 0, shape[0])]
-        if source.split is Split.QUERY_HEADS:
-            return [_even_rows(name, shape[0], tp, rank)]
+            return [Rows(name, offset, offset + rows)]
+        if source.split in (Split.QUERY_HEADS, Split.OUTPUT):
+            return [_even_rows(name, rows, tp, rank, offset)]
         if source.split is Split.KV_HEADS:
             if tp >= dims.kv_heads:  # QKVParallelLinear: one KV head per rank, replicated
                 head = rank // (tp // dims.kv_heads)
-                return [Rows(name, head * dims.head_dim, (head + 1) * dims.head_dim)]
-            return [_even_rows(name, shape[0], tp, rank)]
-        if source.split is Split.OUTPUT:
-            return [_even_rows(name, shape[0], tp, rank)]
+                return [Rows(name, offset + head * dims.head_dim, offset + (head + 1) * dims.head_dim)]
+            return [_even_rows(name, rows, tp, rank, offset)]
         if source.split is Split.INPUT:
-            width = shape[1] // tp
+            columns = self.tensors[name].shape[1]
+            _check_divides(name, columns, tp, "columns")
+            width = columns // tp
             return [Columns(name, rank * width, (rank + 1) * width)]
         if source.split is Split.VOCAB:
             per_rank = pad_vocab(dims.vocab) // tp
@@ -367,9 +470,20 @@ class _Cutter:
         return self.tensors[source.hf_name].shape[1:]
 
 
-def _even_rows(name: str, rows: int, tp: int, rank: int) -> Rows:
+def _for_expert(source: Source, expert: int) -> Source:
+    return Source(source.hf_name.replace(EXPERT, str(expert)), source.shape, source.split)
+
+
+def _check_divides(name: str, extent: int, tp: int, what: str) -> None:
+    """vLLM's `divide` asserts on the same; say which tensor before any byte is written."""
+    if extent % tp:
+        raise ShardError(f"tensor parallel size {tp} does not divide the {extent} {what} of {name}")
+
+
+def _even_rows(name: str, rows: int, tp: int, rank: int, offset: int = 0) -> Rows:
+    _check_divides(name, rows, tp, "rows")
     per_rank = rows // tp
-    return Rows(name, rank * per_rank, (rank + 1) * per_rank)
+    return Rows(name, offset + rank * per_rank, offset + (rank + 1) * per_rank)
 
 
 def _split_parts(tensors: list[PlannedTensor], vllm: VllmTarget, pp: int, pp_rank: int, tp_rank: int,

@@ -27,6 +27,7 @@ from ..manifest import (
 )
 from ..safetensors_header import validate_safetensors
 from .job import FORMAT
+from .experts import DEFAULT_TARGET, MoeTarget
 from .plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
 from .spans import BlockBuffers, Span, piece_span, read_span, write_span
 from .tensors import HeaderEntry, encode_header, itemsize
@@ -66,7 +67,7 @@ def unshard(artifact: Path, output: Path) -> Manifest:
     for entry in manifest.files:
         if entry.path not in rank_files:
             shutil.copyfile(artifact / entry.path, output / entry.path)
-            entries.append(FileEntry(entry.path, entry.size, entry.sha256))
+            entries.append(entry)  # the same bytes: the same digest, in whichever form it was recorded
     result = Manifest(files=entries, source=str(artifact), format="safetensors",
                       extra={"unshardedFrom": manifest.extra})
     write_manifest(output, result)
@@ -79,7 +80,9 @@ def _replan(artifact: Path, manifest: Manifest) -> ShardPlan:
     specs = {name: TensorSpec(s["dtype"], tuple(s["shape"])) for name, s in extra["sourceTensors"].items()}
     plan = plan_shards(config, specs, tp=extra["tensorParallelSize"], pp=extra["pipelineParallelSize"],
                        vllm=parse_vllm_version(extra["vllmVersion"]), max_part_size=extra["maxPartSize"],
-                       pp_layer_partition=extra["ppLayerPartition"])
+                       pp_layer_partition=extra["ppLayerPartition"],
+                       moe=MoeTarget(extra.get("expertParallel", False), extra.get("expertPlacement", "linear"),
+                                     extra.get("target", DEFAULT_TARGET)))
     listed = {e.path for e in manifest.files}
     missing = [f.name for f in plan.files if f.name not in listed]
     if missing:

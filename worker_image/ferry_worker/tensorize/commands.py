@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..cli_args import parse_size, positive_int
 from ..results import report_result
+from ..shard.cli import add_moe_arguments, moe_target
 from ..shard.versions import DEFAULT_VLLM_VERSION
 from .s3_client import DEFAULT_ATTEMPTS, DEFAULT_TIMEOUT_S, S3Options
 
@@ -40,6 +41,7 @@ def add_tensorize_commands(subparsers: argparse._SubParsersAction) -> None:
                            help=f"vLLM release that will load the artifact (default {DEFAULT_VLLM_VERSION})")
     tensorize.add_argument("--encryption-key-file", type=Path, metavar="FILE",
                            help="32 raw key bytes: encrypt every tensor (vLLM: encryption_keyfile)")
+    add_moe_arguments(tensorize)
     _store_options(tensorize)
     tensorize.set_defaults(run=_tensorize)
 
@@ -103,7 +105,8 @@ def _tensorize(args: argparse.Namespace) -> int:
 
     job = TensorizeJob.prepare(args.source, args.output, layout=args.layout, tp=args.tensor_parallel_size,
                                vllm_version=args.vllm_version, key_file=args.encryption_key_file,
-                               s3=s3_options(args), part_size=_check_part_size(args.part_size))
+                               s3=s3_options(args), part_size=_check_part_size(args.part_size),
+                               moe=moe_target(args))
     with Progress("tensorize", job.total_bytes, default_sinks()) as progress:
         published = job.run(progress)
     log.info("%s: %s layout, TP %d, vLLM %s: %d files, %d bytes%s", published.uri, job.layout, job.tp,

@@ -15,7 +15,8 @@ from typing import Union
 
 from ..shard.layouts import family_for
 from ..shard.model import ShardError
-from ..shard.plan import Constant, PlannedTensor, Rows, plan_shards
+from ..shard.experts import MoeTarget
+from ..shard.plan import Constant, PlannedTensor, Rows, ShardPlan, plan_shards
 from ..shard.source import Checkpoint
 from ..shard.spans import BlockBuffers, piece_span, read_span
 from ..shard.tensors import TensorLocation, itemsize
@@ -72,12 +73,17 @@ def hf_files(checkpoint: Checkpoint) -> list[TensorFile]:
     return [TensorFile(tensor_file_names("hf", 1)[0], entries)]
 
 
-def vllm_files(checkpoint: Checkpoint, tp: int, vllm: VllmTarget) -> list[TensorFile]:
-    """Per tensor-parallel rank, the tensors vLLM's `serialize_vllm_model` would write there."""
+def vllm_plan(checkpoint: Checkpoint, tp: int, vllm: VllmTarget, moe: MoeTarget = MoeTarget()) -> ShardPlan:
+    """`ferry shard`'s plan of the rank tensors (one part per rank), or ArtifactError."""
     try:
-        plan = plan_shards(checkpoint.config, checkpoint.specs, tp=tp, pp=1, vllm=vllm, max_part_size=None)
+        return plan_shards(checkpoint.config, checkpoint.specs, tp=tp, pp=1, vllm=vllm, max_part_size=None, moe=moe)
     except ShardError as e:
         raise ArtifactError(str(e)) from None
+
+
+def vllm_files(checkpoint: Checkpoint, plan: ShardPlan) -> list[TensorFile]:
+    """Per tensor-parallel rank, the tensors vLLM's `serialize_vllm_model` would write there."""
+    tp = plan.tp
     _check_tied_copies(checkpoint, plan.tied_copies)
     family = family_for(checkpoint.config["architectures"])
     tied = {p.name: p.tied_source for p in family.post_layer_params if p.tied_source} \
@@ -86,6 +92,7 @@ def vllm_files(checkpoint: Checkpoint, tp: int, vllm: VllmTarget) -> list[Tensor
     files = []
     for planned_file in sorted(plan.files, key=lambda f: f.tp_rank):
         _check_dtypes([(t.name, t.dtype) for t in planned_file.tensors])
+        _check_one_param_dtype(planned_file.tensors)
         entries = [TensorEntry(MARKER, PARAM, MARKER_DTYPE, MARKER_SHAPE, None, meta=True)]
         heads = []
         for tensor in planned_file.tensors:
@@ -97,9 +104,33 @@ def vllm_files(checkpoint: Checkpoint, tp: int, vllm: VllmTarget) -> list[Tensor
                 entries.append(TensorEntry(tied[lm_head], kind, tensor.dtype, tensor.shape, tensor))
                 heads.append(TensorEntry(lm_head, kind, tensor.dtype, tensor.shape, tensor))
             else:
-                entries.append(TensorEntry(tensor.name, kind, tensor.dtype, tensor.shape, tensor))
+                entries.append(TensorEntry(_module_path(family, tensor.name), kind, tensor.dtype, tensor.shape, tensor))
         files.append(TensorFile(names[planned_file.tp_rank], tuple(entries + heads)))
     return files
+
+
+def _module_path(family, name: str) -> str:
+    """The name under which `named_modules()` reaches this tensor (see Family.module_aliases)."""
+    for saved, registered in family.module_aliases:
+        if saved in name:
+            return name.replace(saved, registered, 1)
+    return name
+
+
+def _check_one_param_dtype(tensors) -> None:
+    """vLLM 0.32 deserializes a vLLM-tensorized file with `dtype=` the model's dtype: every tensor is
+    cast. For the 1.0 attention scales that is exact; a parameter kept in another dtype on purpose
+    (DeepSeek-V3's float32 e_score_correction_bias) would come back rounded and route differently from
+    the default loader. Refuse instead of serving that."""
+    params = [t for t in tensors if not all(isinstance(p, Constant) for p in t.pieces)]
+    counts: dict[str, int] = {}
+    for t in params:
+        counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    model_dtype = max(counts, key=counts.get) if counts else None
+    odd = [f"{t.name} ({t.dtype})" for t in params if t.dtype != model_dtype]
+    if odd:
+        raise ArtifactError(f"vLLM's tensorizer loader casts every tensor to the model dtype {model_dtype}, so "
+                            f"{', '.join(odd[:5])} would be served rounded; use sharded_state, or the hf layout")
 
 
 def _check_dtypes(tensors: list[tuple[str, str]]) -> None:

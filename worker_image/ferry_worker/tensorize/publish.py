@@ -6,24 +6,36 @@ S3; config and tokenizer files are pulled next to them), or, with a
 steps: every object uploaded and checked (store.py), the manifest last.
 
 The files: those the source's own ferry-manifest.json lists, each checked
-against its sha256 while it is read (a fetched or sharded directory), else
+against its sha256 while it is read (a fetched directory; a sharded one's
+rank files, which record only block digests, are first read once to check
+their blocks and compute the sha256 the upload is then held to), else
 every file of the directory but Ferry's own, with every `.safetensors` header
 validated first. The published manifest keeps the source manifest's format
 and facts (`sharded_state`, its TP size, ...) and adds where it came from.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..manifest import MANIFEST_NAME, TMP_MARKER, Manifest, manifest_digest, read_manifest
+from ..manifest import (
+    MANIFEST_NAME,
+    TMP_MARKER,
+    ContentCheck,
+    FileEntry,
+    IntegrityError,
+    Manifest,
+    manifest_digest,
+    read_manifest,
+)
 from ..paths import safe_relative_path
 from ..progress import Progress
 from ..safetensors_header import UnsafeSafetensorsError, validate_safetensors
 from . import artifact
-from .errors import ArtifactError
+from .errors import ArtifactError, StoreError
 from .location import LocalLocation, Location, parse_location
 from .s3_client import S3Options
 from .store import StoredObject, open_store
@@ -35,12 +47,15 @@ log = logging.getLogger(__name__)
 class PublishJob:
     source: Path
     location: Location
-    files: list[tuple[str, int, str | None]]  # (relative path, size, sha256 from the source's manifest)
+    # (relative path, size, what the source's manifest records: its sha256, else "blocks:" + a digest of its block
+    # digests; None without a manifest). The third is the request's identity of the file, not always a sha256.
+    files: list[tuple[str, int, str | None]]
     format: str
     extra: dict
     source_digest: str | None
     s3: S3Options = field(default_factory=S3Options)
     part_size: int | None = None
+    block_checked: dict[str, FileEntry] = field(default_factory=dict)  # entries with only block digests
 
     @classmethod
     def prepare(cls, source: Path, output: str, *, s3: S3Options | None = None,
@@ -53,14 +68,14 @@ class PublishJob:
             raise ArtifactError("the output must differ from the source directory")
         manifest = read_manifest(source)
         if manifest is not None:
-            files = [(e.path, e.size, e.sha256) for e in sorted(manifest.files, key=lambda e: e.path)]
+            files = [(e.path, e.size, _identity(e)) for e in sorted(manifest.files, key=lambda e: e.path)]
             for rel, size, _ in files:
                 path = source / rel
                 if not path.is_file() or path.stat().st_size != size:
                     raise ArtifactError(f"{path}: missing or not the size its manifest says ({size}); run "
                                         f"`ferry verify {source}`")
             return cls(source, location, files, manifest.format, dict(manifest.extra), manifest_digest(source),
-                       s3 or S3Options(), part_size)
+                       s3 or S3Options(), part_size, {e.path: e for e in manifest.files if not e.sha256})
         files = []
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             rel = path.relative_to(source).as_posix()
@@ -94,12 +109,38 @@ class PublishJob:
         artifact.begin(store, [rel for rel, _, _ in self.files])
         on_bytes = progress.advance if progress else None
         stored: list[StoredObject] = []
-        for rel, _, sha256 in self.files:
-            stored.append(store.put_file(rel, self.source / rel, on_bytes, expected_sha256=sha256))
+        for rel, _, identity in self.files:
+            stored.append(store.put_file(rel, self.source / rel, on_bytes,
+                                         expected_sha256=self._expected_sha256(rel, identity)))
         manifest = Manifest(files=[o.entry() for o in stored], source=str(self.source), format=self.format,
                             tool=f"ferry {__version__}",
                             extra={**self.extra, "request": request, "publishedFrom": self.source_digest})
         return artifact.publish(store, manifest, stored)
+
+    def _expected_sha256(self, rel: str, identity: str | None) -> str | None:
+        """The sha256 the store must read from the source file: the manifest's, or (block digests only) that of
+        the bytes whose blocks were just checked, so a change between the two reads is caught by the upload."""
+        entry = self.block_checked.get(rel)
+        if entry is None:
+            return identity
+        check = ContentCheck(entry, whole=True)
+        with open(self.source / rel, "rb", buffering=0) as f:
+            while data := f.read(8 << 20):
+                check.update(data)
+        try:
+            return check.finish()
+        except IntegrityError as e:
+            # As a whole-file mismatch in the store's own check: a changed source, which a retry may find whole.
+            raise StoreError(f"{self.source}: {e}: the source changed or is damaged") from None
+
+
+_BLOCKS = "blocks:"
+
+
+def _identity(entry: FileEntry) -> str:
+    if entry.sha256:
+        return entry.sha256
+    return _BLOCKS + hashlib.sha256("".join(entry.blocks).encode()).hexdigest()
 
 
 def _ferrys_own(rel: str) -> bool:

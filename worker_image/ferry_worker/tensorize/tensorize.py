@@ -22,10 +22,12 @@ from typing import Any
 from .. import __version__
 from ..manifest import MANIFEST_NAME, Manifest, manifest_digest
 from ..progress import Progress
+from ..results import RESULT_FACTS
 from ..shard.source import Checkpoint, companion_files, open_checkpoint
 from . import artifact
 from .errors import ArtifactError, require_tensorizer
-from .layouts import TensorFile, hf_files, vllm_files
+from ..shard.experts import MoeTarget
+from .layouts import TensorFile, hf_files, vllm_files, vllm_plan
 from .location import LocalLocation, Location, parse_location
 from .s3_client import S3Options
 from .store import StoredObject, open_store
@@ -48,11 +50,13 @@ class TensorizeJob:
     key_file: Path | None = None
     s3: S3Options = field(default_factory=S3Options)
     part_size: int | None = None
+    # How a MoE model's experts were cut (`shard.job.moe_extra`); empty for dense models and the hf layout.
+    moe_facts: dict = field(default_factory=dict)
 
     @classmethod
     def prepare(cls, source: Path, output: str, *, layout: str = "hf", tp: int = 1, vllm_version: str = "0.32.0",
                 key_file: Path | None = None, s3: S3Options | None = None,
-                part_size: int | None = None) -> "TensorizeJob":
+                part_size: int | None = None, moe: MoeTarget = MoeTarget()) -> "TensorizeJob":
         require_tensorizer()
         location = parse_location(output)
         source = Path(source).resolve()
@@ -60,13 +64,20 @@ class TensorizeJob:
             raise ArtifactError("the output directory must differ from the checkpoint directory")
         vllm = check_target(layout, tp, vllm_version)
         checkpoint = open_checkpoint(source)
-        files = hf_files(checkpoint) if layout == "hf" else vllm_files(checkpoint, tp, vllm)
+        if layout == "hf":
+            if moe != MoeTarget():
+                raise ArtifactError("expert parallelism and --target shape the vllm layout only; the hf layout is "
+                                    "cut by vLLM itself at load time")
+            files, moe_facts = hf_files(checkpoint), {}
+        else:
+            plan = vllm_plan(checkpoint, tp, vllm, moe)
+            files, moe_facts = vllm_files(checkpoint, plan), plan.moe_facts()
         if key_file is not None:
             from .encryption import load_key
 
             load_key(key_file)  # refuse a bad key file before anything is written
         return cls(checkpoint, location, layout, tp, str(vllm), files, companion_files(source), key_file,
-                   s3 or S3Options(), part_size)
+                   s3 or S3Options(), part_size, moe_facts)
 
     @property
     def total_bytes(self) -> int:
@@ -90,6 +101,7 @@ class TensorizeJob:
             "encryption": encryption,
             "source": _source_identity(self.checkpoint),
             "companions": sorted(p.name for p in self.companions),
+            **self.moe_facts,
         }
 
     def run(self, progress: Progress | None = None) -> artifact.Published:
@@ -129,8 +141,9 @@ class TensorizeJob:
         return self._with_facts(artifact.publish(store, manifest, stored), store)
 
     def _with_facts(self, published: artifact.Published, store) -> artifact.Published:
+        moe = {key: self.moe_facts[key] for key in RESULT_FACTS if key in self.moe_facts}
         return dataclasses.replace(published, facts={"tensorizerUri": store.uri(uri_template(self.layout, self.tp)),
-                                                     "layout": self.layout, "tensorParallelSize": self.tp})
+                                                     "layout": self.layout, "tensorParallelSize": self.tp, **moe})
 
     def _extra(self, request: dict) -> dict:
         import tensorizer
@@ -147,6 +160,7 @@ class TensorizeJob:
             "tensorizerUri": uri_template(self.layout, self.tp),
             "tensorFiles": [f.name for f in self.files],
             "tensors": {f.name: len(f.entries) for f in self.files},
+            **self.moe_facts,
         }
 
 

@@ -28,6 +28,11 @@ def verify_artifact(uri: str, s3: S3Options | None = None) -> Manifest:
     if problem:
         raise IntegrityError(f"{uri}: {problem}")
     for entry in sorted(manifest.files, key=lambda e: e.path):
+        if not entry.sha256:
+            # Ferry's S3 manifests record each object's sha256 (computed as it is stored); block digests
+            # alone come only from `ferry shard`, which writes a directory.
+            raise IntegrityError(f"{entry.path}: the manifest records only block digests; objects in a store are "
+                                 "checked by their whole sha256, which it lacks")
         size, etag = store.head(entry.path)
         digest = store.sha256_of(entry.path, size, etag)
         if digest != entry.sha256:
