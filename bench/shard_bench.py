@@ -1,6 +1,7 @@
 """Benchmark `ferry shard` against `cp -r` of the same checkpoint, in one run.
 
     .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3] [--baseline CMD]
+                                          [--model mixtral [--expert-parallel]]
 
 Generates a Llama-3-8B-shaped checkpoint (hidden 4096, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256, bf16; `--layers` decoder layers: 8 gives
@@ -63,16 +64,48 @@ def tensor_shapes(layers: int) -> dict[str, list[int]]:
     return shapes | {"model.norm.weight": [HIDDEN], "lm_head.weight": [VOCAB, HIDDEN]}
 
 
-def write_checkpoint(directory: Path, layers: int) -> int:
+# `--model mixtral`: Mixtral-8x7B's attention and 8 experts, top 2, with the expert intermediate size
+# scaled from 14336 to 4096 so that 4 layers make a checkpoint of a few GiB (4 layers: 3.7 GB).
+EXPERTS, EXPERT_INTERMEDIATE, MIXTRAL_VOCAB = 8, 4096, 32000
+
+
+def mixtral_config(layers: int) -> dict:
+    return {**llama_config(layers), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": EXPERT_INTERMEDIATE, "num_local_experts": EXPERTS, "num_experts_per_tok": 2,
+            "vocab_size": MIXTRAL_VOCAB, "rope_theta": 1e6, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def mixtral_shapes(layers: int) -> dict[str, list[int]]:
+    shapes = {"model.embed_tokens.weight": [MIXTRAL_VOCAB, HIDDEN]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
+                   p + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+                   p + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+                   p + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
+                   p + "block_sparse_moe.gate.weight": [EXPERTS, HIDDEN],
+                   p + "input_layernorm.weight": [HIDDEN], p + "post_attention_layernorm.weight": [HIDDEN]}
+        for e in range(EXPERTS):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            shapes |= {x + "w1.weight": [EXPERT_INTERMEDIATE, HIDDEN], x + "w2.weight": [HIDDEN, EXPERT_INTERMEDIATE],
+                       x + "w3.weight": [EXPERT_INTERMEDIATE, HIDDEN]}
+    return shapes | {"model.norm.weight": [HIDDEN], "lm_head.weight": [MIXTRAL_VOCAB, HIDDEN]}
+
+
+MODELS = {"llama": (llama_config, tensor_shapes), "mixtral": (mixtral_config, mixtral_shapes)}
+
+
+def write_checkpoint(directory: Path, layers: int, model: str = "llama") -> int:
     """A bf16 checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
     from ferry_worker.shard.tensors import HeaderEntry, encode_header
 
+    config, shapes = MODELS[model]
     directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(llama_config(layers), indent=2))
+    (directory / "config.json").write_text(json.dumps(config(layers), indent=2))
     (directory / "generation_config.json").write_text('{"bos_token_id": 128000, "eos_token_id": 128001}')
     groups: list[list[tuple[str, list[int]]]] = [[]]
     size = 0
-    for name, shape in tensor_shapes(layers).items():
+    for name, shape in shapes(layers).items():
         nbytes = 2 * math.prod(shape)
         if groups[-1] and size + nbytes > FILE_LIMIT:
             groups.append([])
@@ -119,6 +152,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama",
+                    help="llama: Llama-3-8B-shaped; mixtral: Mixtral-8x7B-shaped with smaller experts")
+    ap.add_argument("--expert-parallel", action="store_true", help="mixtral: cut whole experts per rank")
     ap.add_argument("--ferry", default=f"{sys.executable} -m ferry_worker.cli",
                     help="the ferry command to time (default: %(default)s)")
     ap.add_argument("--baseline", help="another ferry command, timed in the same runs (e.g. 'env "
@@ -130,7 +166,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ferry-shard-bench-", dir=args.workdir))
     try:
         source = root / "checkpoint"
-        checkpoint_bytes = write_checkpoint(source, args.layers)
+        checkpoint_bytes = write_checkpoint(source, args.layers, args.model)
         if shutil.disk_usage(root).free < 2.5 * checkpoint_bytes:
             raise SystemExit(f"{root}: needs {2.5 * checkpoint_bytes / 1e9:.1f} GB free for the copies")
         ferries = {"ferry shard": args.ferry} | ({"ferry shard (baseline)": args.baseline} if args.baseline else {})
@@ -142,7 +178,8 @@ def main() -> int:
                 cold &= try_drop_page_cache()
                 if label in ferries:
                     elapsed, rss, cpu_seconds = timed([*ferries[label].split(), "shard", "--source", str(source), "--output",
-                                          str(target), "--tensor-parallel-size", str(args.tp)])
+                                          str(target), "--tensor-parallel-size", str(args.tp),
+                                          *(["--expert-parallel"] if args.expert_parallel else [])])
                     peak_rss[label] = max(peak_rss[label], rss)
                     cpu[label].append(cpu_seconds)
                     rank_bytes = _rank_bytes(target, args.tp)
@@ -153,9 +190,10 @@ def main() -> int:
                 shutil.rmtree(target)
         median = {label: statistics.median(values) for label, values in times.items()}
         report = {
-            "checkpoint": {"layers": args.layers, "bytes": checkpoint_bytes,
+            "checkpoint": {"model": args.model, "layers": args.layers, "bytes": checkpoint_bytes,
                            "files": len(list(source.glob("*.safetensors")))},
             "tensorParallelSize": args.tp,
+            "expertParallel": args.expert_parallel,
             "runs": args.runs,
             "pageCache": "dropped before every run" if cold else "warm (could not drop it)",
             "seconds": times,

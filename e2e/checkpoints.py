@@ -122,13 +122,22 @@ def hf_tensor_shapes(config: dict) -> dict[str, list[int]]:
         shapes["lm_head.weight"] = [vocab, hidden]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + k: v for k, v in _attention_shapes(config).items()}
-        shapes |= {p + k: v for k, v in _mlp_shapes(config, i).items()}
-        shapes |= {p + "input_layernorm.weight": [hidden], p + "post_attention_layernorm.weight": [hidden]}
+        attention, mlp = _attention_shapes(config), _mlp_shapes(config, i)
+        # This order (weights, norms, then biases and q/k norms) fixes the random stream, so the
+        # fixtures' weights stay what the token tests were tuned on.
+        layer = {k: v for k, v in (attention | mlp).items() if not _optional(k)}
+        layer |= {"input_layernorm.weight": [hidden], "post_attention_layernorm.weight": [hidden]}
         if arch in GEMMA_ARCHITECTURES:
-            shapes |= {p + "pre_feedforward_layernorm.weight": [hidden],
-                       p + "post_feedforward_layernorm.weight": [hidden]}
+            layer |= {"pre_feedforward_layernorm.weight": [hidden], "post_feedforward_layernorm.weight": [hidden]}
+        layer |= {k: v for k, v in attention.items() if k.endswith(".bias")}
+        layer |= {k: v for k, v in mlp.items() if k.endswith(".bias")}
+        layer |= {k: v for k, v in attention.items() if k.endswith(("q_norm.weight", "k_norm.weight"))}
+        shapes |= {p + k: v for k, v in layer.items()}
     return shapes
+
+
+def _optional(name: str) -> bool:
+    return name.endswith((".bias", "q_norm.weight", "k_norm.weight"))
 
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")

@@ -63,6 +63,24 @@ def start_reference(vllm_python: str, original: Path, tps: list[int], root: Path
     return ReferenceRun(proc, root, list(tps))
 
 
+CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                  # collective_rpc ships the comparison functions to the workers.
+                  "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def run_engines(vllm_python: str, script: Path, specs: list[dict], *, env: dict[str, str], cwd: Path,
+                timeout: int) -> list:
+    """Run `script` (vllm_generate.py, vllm_tensorizer.py) on `specs` in one vLLM process; its
+    `RESULT {json}` line per spec, or the test fails with the process's output."""
+    proc = subprocess.run([vllm_python, str(script), json.dumps(specs)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(lines) != len(specs):
+        pytest.fail(f"vLLM exited {proc.returncode} after {len(lines)} of {len(specs)} runs:\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads(line) for line in lines]
+
+
 def assert_reference_varies(prompt: list[int], ref_tokens: list[int]) -> None:
     """The generated fixture model's greedy continuation is not a repetition (else equal tokens prove little)."""
     assert len(set(ref_tokens)) > MAX_TOKENS // 4, f"prompt {prompt}: the fixture model just repeats itself"

@@ -22,9 +22,7 @@ compared, not asked to generate.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from ferry_worker.safetensors_header import validate_safetensors
 from ferry_worker.shard.job import ShardJob
 
 from checkpoints import LLAMA3, QWEN2, QWEN3, ModelCase, write_checkpoint
-from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match
+from vllm_tokens import CPU_ENGINE_ENV, MAX_TOKENS, PROMPTS, assert_greedy_tokens_match, run_engines
 
 SCRIPT = Path(__file__).with_name("vllm_generate.py")
 TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
@@ -89,16 +87,8 @@ def vllm_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
                       "tp": run.tp, "pp": run.pp, "dtype": TORCH_DTYPES[run.case.dtype], "prompts": PROMPTS,
                       "max_tokens": MAX_TOKENS, "generate": run.generate,
                       "original": str(original) if run.sharded else None})
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           # collective_rpc ships the comparison function to the workers.
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    proc = subprocess.run([vllm_python, str(SCRIPT), json.dumps(specs)], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=1500)
-    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(lines) != len(RUNS):
-        pytest.fail(f"vLLM exited {proc.returncode} after {len(lines)} of {len(RUNS)} runs:\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    results = {run.name: json.loads(line) for run, line in zip(RUNS, lines)}
+    lines = run_engines(vllm_python, SCRIPT, specs, env={**os.environ, **CPU_ENGINE_ENV}, cwd=root, timeout=1500)
+    results = {run.name: result for run, result in zip(RUNS, lines)}
     for name, path in artifacts.items():
         results[name]["artifact"] = path
     return results

@@ -26,7 +26,6 @@ compared, not asked to generate: EP tokens are unproven until a GPU run.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.experts import MoeTarget
 from ferry_worker.shard.job import ShardJob
 
-from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match
+from vllm_tokens import CPU_ENGINE_ENV, MAX_TOKENS, PROMPTS, assert_greedy_tokens_match, run_engines
 
 HERE = Path(__file__).parent
 GENERATE, HF_GENERATE = HERE / "vllm_generate.py", HERE / "hf_generate.py"
@@ -73,9 +72,7 @@ def _generate_checkpoint(vllm_python: str, family: str, directory: Path, env: di
 @pytest.fixture(scope="module")
 def breadth_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("vllm-breadth")
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           # collective_rpc ships the comparison function to the workers.
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = {**os.environ, **CPU_ENGINE_ENV}
     specs, artifacts = [], {}
     for run in RUNS:
         original = root / run.family
@@ -90,13 +87,8 @@ def breadth_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) 
                       "pp": 1, "dtype": "bfloat16", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
                       "enable_expert_parallel": run.expert_parallel, "generate": not run.expert_parallel,
                       "original": str(original) if run.sharded else None})
-    proc = subprocess.run([vllm_python, str(GENERATE), json.dumps(specs)], capture_output=True, text=True,
-                          env=env, cwd=root, timeout=2400)
-    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(lines) != len(RUNS):
-        pytest.fail(f"vLLM exited {proc.returncode} after {len(lines)} of {len(RUNS)} runs:\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    results = {run.name: json.loads(line) for run, line in zip(RUNS, lines)}
+    lines = run_engines(vllm_python, GENERATE, specs, env=env, cwd=root, timeout=2400)
+    results = {run.name: result for run, result in zip(RUNS, lines)}
     for name, path in artifacts.items():
         results[name]["artifact"] = path
     return results

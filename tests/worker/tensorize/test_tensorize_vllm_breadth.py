@@ -12,7 +12,6 @@ backend fails at the first forward after a tensorizer load; shared FIELD_NOTES).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from ferry_worker.cli import main
 
 from test_tensorize_vllm import SCRIPT, _extra_config, _overlay
+from vllm_tokens import CPU_ENGINE_ENV, run_engines
 
 pytestmark = [pytest.mark.tensorize, pytest.mark.vllm]
 
@@ -64,19 +64,13 @@ def breadth_results(vllm_python, s3_server, tmp_path_factory) -> dict:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     overlay = _overlay(vllm_python, root)
-    run_env = {**os.environ, **env, "HOME": str(root), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    run_env = {**os.environ, **env, **CPU_ENGINE_ENV, "HOME": str(root)}  # HOME: no ~/.s3cfg
     if overlay is not None:
         run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(overlay), run_env.get("PYTHONPATH")]))
-    proc = subprocess.run([vllm_python, str(SCRIPT), json.dumps(specs)], capture_output=True, text=True,
-                          env=run_env, cwd=root, timeout=2400)
-    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(lines) != len(specs):
-        pytest.fail(f"vLLM exited {proc.returncode} after {len(lines)} of {len(specs)} engines:\n"
-                    f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    lines = run_engines(vllm_python, SCRIPT, specs, env=run_env, cwd=root, timeout=2400)
     results: dict = {}
     for line in lines:
-        for worker in json.loads(line):
+        for worker in line:
             for name, loaded in worker["loaded"].items():
                 results.setdefault(name, {})[worker["tp_rank"]] = (worker["default"], loaded)
     return results

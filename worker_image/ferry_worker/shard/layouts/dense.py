@@ -180,24 +180,32 @@ _GEMMA_EMBEDDING = (
 )
 _GEMMA_NORM = Param("model.norm.weight", (Source("model.norm.weight", ("hidden",), Split.REPLICATED),),
                     placement=Placement.EVERY_STAGE)
-_GEMMA_MLP = (Param("mlp.gate_up_proj.weight", gate_up(bias=False)), DOWN_PROJ)
 
-GEMMA2 = Family(
-    name="gemma2",
-    architectures=("Gemma2ForCausalLM",),
-    head_dim_from_config=True,
-    # Gemma2Attention: qkv_proj and o_proj take config.attention_bias.
-    flags={"qkv_bias": Flag(("attention_bias",)), "o_proj_bias": Flag(("attention_bias",))},
-    pre_layer_params=_GEMMA_EMBEDDING,
-    layer_params=(
+
+def _gemma_layers(qk_norm: bool) -> tuple[Param, ...]:
+    """Gemma2/3DecoderLayer: qkv_proj and o_proj take config.attention_bias; Gemma 3 adds q/k norms."""
+    return (
         Param("self_attn.qkv_proj.weight", qkv(bias=False)),
         Param("self_attn.qkv_proj.bias", qkv(bias=True), when="qkv_bias"),
         O_PROJ,
         Param("self_attn.o_proj.bias", (Source("self_attn.o_proj.bias", ("hidden",), Split.REPLICATED),),
               when="o_proj_bias"),
-        *_GEMMA_MLP,
+        *(qk_norms(when=None) if qk_norm else ()),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False)),
+        DOWN_PROJ,
         *_GEMMA_LAYER_NORMS,
-    ),
+    )
+
+
+_GEMMA_FLAGS = {"qkv_bias": Flag(("attention_bias",)), "o_proj_bias": Flag(("attention_bias",))}
+
+GEMMA2 = Family(
+    name="gemma2",
+    architectures=("Gemma2ForCausalLM",),
+    head_dim_from_config=True,
+    flags=_GEMMA_FLAGS,
+    pre_layer_params=_GEMMA_EMBEDDING,
+    layer_params=_gemma_layers(qk_norm=False),
     # Gemma2ForCausalLM has no LM head module: logits come from the embedding.
     post_layer_params=(_GEMMA_NORM,),
     ignored_suffixes=ROTARY_BUFFERS,
@@ -211,18 +219,9 @@ GEMMA3 = Family(
     # (a SigLIP tower and language_model.* names), refused as unsupported.
     architectures=("Gemma3ForCausalLM",),
     head_dim_from_config=True,
-    flags={"qkv_bias": Flag(("attention_bias",)), "o_proj_bias": Flag(("attention_bias",))},
+    flags=_GEMMA_FLAGS,
     pre_layer_params=_GEMMA_EMBEDDING,
-    layer_params=(
-        Param("self_attn.qkv_proj.weight", qkv(bias=False)),
-        Param("self_attn.qkv_proj.bias", qkv(bias=True), when="qkv_bias"),
-        O_PROJ,
-        Param("self_attn.o_proj.bias", (Source("self_attn.o_proj.bias", ("hidden",), Split.REPLICATED),),
-              when="o_proj_bias"),
-        *qk_norms(when=None),
-        *_GEMMA_MLP,
-        *_GEMMA_LAYER_NORMS,
-    ),
+    layer_params=_gemma_layers(qk_norm=True),
     # Gemma3ForCausalLM builds a ParallelLMHead on every stage, tied to the
     # embedding when config.json says so (then `lm_head.weight` is the kept key).
     post_layer_params=(
