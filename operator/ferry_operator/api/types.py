@@ -305,14 +305,15 @@ FORMAT_RULES = [
         ".runaiStreamer",
     ),
     Rule(
-        "!self.expertParallel || self.tensorParallelSize > 1",
+        # has(): the API server also checks rules against the schema's own default ({} for format).
+        "!has(self.expertParallel) || !self.expertParallel || (has(self.tensorParallelSize) && self.tensorParallelSize > 1)",
         "expertParallel needs tensorParallelSize > 1: vLLM's expert-parallel size is the tensor-parallel size "
         "here, and with one rank there is nothing to spread the experts over",
         lambda f: not f.expert_parallel or f.tensor_parallel_size > 1,
         ".expertParallel",
     ),
     Rule(
-        "self.expertPlacement == 'linear' || self.expertParallel",
+        "!has(self.expertPlacement) || self.expertPlacement == 'linear' || (has(self.expertParallel) && self.expertParallel)",
         "expertPlacement other than linear needs expertParallel: without expert parallelism every rank holds "
         "a slice of every expert, so there is nothing to place",
         lambda f: f.expert_placement == ExpertPlacement.LINEAR.value or f.expert_parallel,
