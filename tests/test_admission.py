@@ -45,7 +45,8 @@ def test_defaults_are_applied_by_the_server(crd, namespace):
     create(crd, namespace, obj)
     spec = crd.get_json("mw", "defaults", "-n", namespace)["spec"]
     assert spec["format"] == {"type": "safetensors", "tensorParallelSize": 1, "pipelineParallelSize": 1,
-                              "vllmVersion": "0.32", "maxPartSize": "5Gi"}
+                              "vllmVersion": "0.32", "maxPartSize": "5Gi", "expertParallel": False,
+                              "expertPlacement": "linear", "target": "hopper"}
     assert spec["deletionPolicy"] == "Retain"
     assert spec["storage"]["pvc"]["accessModes"] == ["ReadWriteOnce"]
 
