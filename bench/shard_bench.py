@@ -48,19 +48,23 @@ def llama_config(layers: int) -> dict:
             "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
 
 
+def attention_shapes(p: str) -> dict[str, list[int]]:
+    """Llama-3-8B's (and Mixtral's) attention and norms of the layer with prefix `p`."""
+    return {p + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
+            p + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+            p + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
+            p + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
+            p + "input_layernorm.weight": [HIDDEN], p + "post_attention_layernorm.weight": [HIDDEN]}
+
+
 def tensor_shapes(layers: int) -> dict[str, list[int]]:
     shapes = {"model.embed_tokens.weight": [VOCAB, HIDDEN]}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
-                   p + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
-                   p + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
-                   p + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
-                   p + "mlp.gate_proj.weight": [INTERMEDIATE, HIDDEN],
+        shapes |= attention_shapes(p)
+        shapes |= {p + "mlp.gate_proj.weight": [INTERMEDIATE, HIDDEN],
                    p + "mlp.up_proj.weight": [INTERMEDIATE, HIDDEN],
-                   p + "mlp.down_proj.weight": [HIDDEN, INTERMEDIATE],
-                   p + "input_layernorm.weight": [HIDDEN],
-                   p + "post_attention_layernorm.weight": [HIDDEN]}
+                   p + "mlp.down_proj.weight": [HIDDEN, INTERMEDIATE]}
     return shapes | {"model.norm.weight": [HIDDEN], "lm_head.weight": [VOCAB, HIDDEN]}
 
 
@@ -79,12 +83,7 @@ def mixtral_shapes(layers: int) -> dict[str, list[int]]:
     shapes = {"model.embed_tokens.weight": [MIXTRAL_VOCAB, HIDDEN]}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": [HEADS * HEAD_DIM, HIDDEN],
-                   p + "self_attn.k_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
-                   p + "self_attn.v_proj.weight": [KV_HEADS * HEAD_DIM, HIDDEN],
-                   p + "self_attn.o_proj.weight": [HIDDEN, HEADS * HEAD_DIM],
-                   p + "block_sparse_moe.gate.weight": [EXPERTS, HIDDEN],
-                   p + "input_layernorm.weight": [HIDDEN], p + "post_attention_layernorm.weight": [HIDDEN]}
+        shapes |= attention_shapes(p) | {p + "block_sparse_moe.gate.weight": [EXPERTS, HIDDEN]}
         for e in range(EXPERTS):
             x = f"{p}block_sparse_moe.experts.{e}."
             shapes |= {x + "w1.weight": [EXPERT_INTERMEDIATE, HIDDEN], x + "w2.weight": [HIDDEN, EXPERT_INTERMEDIATE],

@@ -182,33 +182,31 @@ def _attention_shapes(config: dict) -> dict[str, list[int]]:
     return shapes
 
 
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+
+
+def _experts(block: str, count: int, inter: int, hidden: int, names: tuple[str, ...]) -> dict[str, list[int]]:
+    """Per-expert MLP tensors in the given name order; a name with `down` or `w2` projects back to hidden."""
+    return {f"{block}.experts.{e}.{name}.weight": [hidden, inter] if name in ("down_proj", "w2") else [inter, hidden]
+            for e in range(count) for name in names}
+
+
 def _mlp_shapes(config: dict, layer: int) -> dict[str, list[int]]:
     arch, hidden, inter = config["architectures"][0], config["hidden_size"], config["intermediate_size"]
     if arch == "MixtralForCausalLM":  # MixtralSparseMoeBlock, saved with per-expert names
         shapes = {"block_sparse_moe.gate.weight": [config["num_local_experts"], hidden]}
-        for e in range(config["num_local_experts"]):
-            x = f"block_sparse_moe.experts.{e}."
-            shapes |= {x + "w1.weight": [inter, hidden], x + "w2.weight": [hidden, inter],
-                       x + "w3.weight": [inter, hidden]}
-        return shapes
+        return shapes | _experts("block_sparse_moe", config["num_local_experts"], inter, hidden, ("w1", "w2", "w3"))
     if arch == "Qwen3MoeForCausalLM" and layer not in config.get("mlp_only_layers", []) \
             and (layer + 1) % config.get("decoder_sparse_step", 1) == 0:
         moe_inter = config["moe_intermediate_size"]
         shapes = {"mlp.gate.weight": [config["num_experts"], hidden]}
-        for e in range(config["num_experts"]):
-            x = f"mlp.experts.{e}."
-            shapes |= {x + "gate_proj.weight": [moe_inter, hidden], x + "up_proj.weight": [moe_inter, hidden],
-                       x + "down_proj.weight": [hidden, moe_inter]}
-        return shapes
+        return shapes | _experts("mlp", config["num_experts"], moe_inter, hidden, _GATE_UP_DOWN)
     if arch in DEEPSEEK_ARCHITECTURES and layer >= config["first_k_dense_replace"]:
         moe_inter, experts = config["moe_intermediate_size"], config["n_routed_experts"]
         shapes = {"mlp.gate.weight": [experts, hidden]}
         if config.get("topk_method") == "noaux_tc":
             shapes["mlp.gate.e_score_correction_bias"] = [experts]
-        for e in range(experts):
-            x = f"mlp.experts.{e}."
-            shapes |= {x + "gate_proj.weight": [moe_inter, hidden], x + "up_proj.weight": [moe_inter, hidden],
-                       x + "down_proj.weight": [hidden, moe_inter]}
+        shapes |= _experts("mlp", experts, moe_inter, hidden, _GATE_UP_DOWN)
         shared = moe_inter * config["n_shared_experts"]
         return shapes | {"mlp.shared_experts.gate_proj.weight": [shared, hidden],
                          "mlp.shared_experts.up_proj.weight": [shared, hidden],
