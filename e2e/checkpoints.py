@@ -257,6 +257,52 @@ def random_weights(config: dict, dtype: str, seed: int = 0) -> Weights:
     return weights
 
 
+# The router of a MoE block (`mlp.gate`, `block_sparse_moe.gate`): kept in bf16 by every FP8 release.
+ROUTER = ".gate.weight"
+FP8_NAN = (0x7F, 0xFF)  # float8_e4m3fn has no infinities; these two bytes are its NaNs
+
+
+def fp8_block_config(config: dict, block: list[int], not_converted: tuple[str, ...] = ()) -> dict:
+    """config.json of an FP8 block-scaled release (DeepSeek-V3's keys; Qwen3-*-FP8
+    list the modules they keep in bf16 under modules_to_not_convert)."""
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    if not_converted:
+        quant["modules_to_not_convert"] = list(not_converted)
+    return {**config, "quantization_config": quant}
+
+
+def fp8_quantized(name: str, shape: list[int], not_converted: set[str], routers: bool) -> bool:
+    """Whether an FP8 release stores this tensor in FP8: a linear weight of the
+    decoder layers (routers only if `routers`) whose module is not listed."""
+    return (name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2
+            and (routers or not name.endswith(ROUTER)) and name.removesuffix(".weight") not in not_converted)
+
+
+def fp8_block_scaled(weights: Weights, config: dict, seed: int = 0, routers: bool = False) -> Weights:
+    """The checkpoint as an FP8 block-scaled release ships it: every linear
+    weight of the decoder layers (2-D `.weight` under `model.layers.`; routers
+    only if `routers`) not listed in modules_to_not_convert becomes F8_E4M3
+    bytes plus a float32 `weight_scale_inv` [ceil(out/bn), ceil(in/bk)].
+    Embeddings, norms, the LM head and biases stay as they are. The bytes are
+    random finite e4m3 values and positive scales: what is under test here is
+    where bytes go, not what they mean (the vLLM tests quantize for real)."""
+    quant = config["quantization_config"]
+    bn, bk = quant["weight_block_size"]
+    kept = set(quant.get("modules_to_not_convert") or [])
+    rng = np.random.default_rng(seed + 8)
+    out: Weights = {}
+    for name, (dtype, shape, raw) in weights.items():
+        if not fp8_quantized(name, shape, kept, routers):
+            out[name] = (dtype, shape, raw)
+            continue
+        fp8 = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        fp8[np.isin(fp8, FP8_NAN)] = 0
+        scale_shape = [-(-shape[0] // bn), -(-shape[1] // bk)]
+        out[name] = ("F8_E4M3", shape, fp8.tobytes())
+        out[name + "_scale_inv"] = ("F32", scale_shape, to_dtype_bytes(rng.uniform(1e-4, 1e-2, scale_shape), "F32"))
+    return out
+
+
 def safetensors_bytes(tensors: Weights) -> bytes:
     header, data, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name, (dtype, shape, raw) in tensors.items():
@@ -309,6 +355,8 @@ def write_checkpoint(directory: Path, case: ModelCase, seed: int = 0,
     directory.mkdir(parents=True, exist_ok=True)
     if weights is None:
         weights = random_weights(case.config, case.dtype, seed)
+        if case.config.get("quantization_config"):
+            weights = fp8_block_scaled(weights, case.config, seed)
         for name in case.extra_tensors:  # e.g. a rotary buffer some exporters saved
             weights[name] = ("F32", [8], to_dtype_bytes(np.arange(8), "F32"))
     (directory / "config.json").write_text(json.dumps(case.config, indent=2))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "e2e"))
-from checkpoints import write_tokenizer  # noqa: E402  (json/numpy only)
+from checkpoints import fp8_block_config, fp8_quantized, write_tokenizer  # noqa: E402  (json/numpy only)
 
 CHECKPOINT_PREFIX = "CHECKPOINT "
 VOCAB = 1000
@@ -166,7 +166,43 @@ def build(out_dir: Path, case: dict) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     write_tokenizer(out_dir, config.vocab_size)
+    if case.get("fp8"):
+        quantize_fp8(out_dir, **case["fp8"])
     return saved_tensors(out_dir)
+
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+@torch.no_grad()
+def quantize_fp8(out_dir: Path, block: list[int], not_converted: list[str] = (), routers: bool = False) -> None:
+    """Rewrite the saved checkpoint as an FP8 block-scaled release (DeepSeek-V3's
+    recipe): per bn x bk tile of each quantized weight, scale = amax / 448 and
+    the float8_e4m3fn weight = w / scale; `weight_scale_inv` (float32,
+    [ceil(out/bn), ceil(in/bk)]) is the dequantization factor. Which tensors:
+    checkpoints.fp8_quantized; config.json gets the quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    bn, bk = block
+    for path in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(path)
+        out = {}
+        for name, w in tensors.items():
+            if not fp8_quantized(name, list(w.shape), set(not_converted), routers):
+                out[name] = w
+                continue
+            rows, cols = w.shape
+            padded = torch.zeros(-(-rows // bn) * bn, -(-cols // bk) * bk, dtype=torch.float32)
+            padded[:rows, :cols] = w.float()
+            tiles = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+            scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+            q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(padded.shape)[:rows, :cols]
+            out[name] = q.to(torch.float8_e4m3fn).contiguous()
+            out[name + "_scale_inv"] = scale.contiguous()
+        save_file(out, str(path), metadata={"format": "pt"})
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(fp8_block_config(config, list(block), tuple(not_converted)), indent=2))
 
 
 def saved_tensors(out_dir: Path) -> dict:

@@ -138,6 +138,7 @@ class ShardJob:
                               for name, spec in sorted(self.checkpoint.specs.items())},
             "skippedTensors": dict(plan.skipped) | {c: f"tied copy of {t}" for c, t in plan.tied_copies.items()},
             **plan.moe_facts(),
+            **plan.quant_facts(),
         }
 
 

@@ -10,22 +10,27 @@ read. Each output tensor is a list of pieces concatenated along dim 0:
 - `ZeroRows`: vocabulary padding;
 - `Constant`: a literal (vLLM's default attention scales).
 
+An FP8 block-scaled checkpoint's scales (`fp8.py`) are cut with their
+weights, in block units: the same pieces, of the scale tensor.
+
 The same plan drives the writer (source -> rank files) and `unshard` (rank
 files -> source), which is how the round trip proves the cut lossless.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import struct
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
+from . import fp8
 from .experts import MoeTarget, check_moe, expert_ranks
 from .layouts import Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
 from .tensors import itemsize
-from .versions import VllmTarget
+from .versions import ATTENTION_SCALE_VALUE, VllmTarget
 
 LAYER_PREFIX = "model.layers.{i}."
 SCALE_DTYPE = "F32"
@@ -119,10 +124,15 @@ class ShardPlan:
     tied_copies: Mapping[str, str] = field(default_factory=dict)
     moe: MoeTarget = MoeTarget()
     experts: int = 0  # routed experts per MoE layer; 0 for a dense model
+    quant: fp8.BlockFp8 | None = None
 
     @property
     def data_bytes(self) -> int:
         return sum(f.data_bytes for f in self.files)
+
+    def quant_facts(self) -> dict:
+        """How the checkpoint is quantized (empty when it is not), for its manifest."""
+        return {"quantization": self.quant.facts()} if self.quant else {}
 
     def moe_facts(self) -> dict:
         """What a MoE artifact was cut for (empty for a dense model), for its
@@ -151,8 +161,14 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     if refused:
         raise ShardError(f"config.json sets {', '.join(refused)}: vLLM builds modules for it that "
                          f"ferry shard has no layout for")
+    quant = fp8.block_fp8(config)
+    if quant is not None:
+        if not vllm.fp8_block_layout_known:
+            raise ShardError(f"FP8 block-scaled layouts are checked against vLLM 0.32 onwards; vLLM {vllm} is "
+                             f"older, so no artifact is written")
+        family = fp8.with_scales(family, quant)
     dims = ModelDims.from_config(family, config)
-    layers = _Layers(family, config, dims)
+    layers = _Layers(family, config, dims, quant)
     flags = {name: flag.value(config) for name, flag in family.flags.items()}
     check_dims_against_checkpoint(family, dims, flags, tensors, layers)
     dims.check_tensor_parallel(tp, dense_mlp=layers.any(Mlp.DENSE))
@@ -161,27 +177,38 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     if family.is_moe:
         check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
                   expert_groups=int(config.get("n_group") or 1))
+        if quant is not None and any(layers.quantized(p, i) for p in family.layer_params if p.experts
+                                     for i in range(dims.layers) if layers.holds(p, i, flags)):
+            fp8.check_moe_blocks(dims, tp, moe, quant)
     elif moe.expert_parallel:
         raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
     skipped, tied_copies = _check_sources(family, dims, flags, tensors, layers)
+    _check_quantized_dtypes(family, dims, flags, tensors, layers, skipped)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
     cutter = _Cutter(dims, tp, tensors, moe)
     files = []
     for pp_rank, layer_range in enumerate(ranges):
-        params = _stage_params(family, dims, flags, vllm, layers, layer_range,
+        params = _stage_params(family, dims, flags, vllm, layers, layer_range, _model_dtype(family, dims, tensors),
                                first=pp_rank == 0, last=pp_rank == pp - 1)
         for tp_rank in range(tp):
             planned = [cutter.cut(entry, tp_rank) for entry in params]
             files += _split_parts(planned, vllm, pp, pp_rank, tp_rank, max_part_size)
     return ShardPlan(family.name, dims, tp, pp, vllm, tuple(ranges), tuple(files), skipped, tied_copies,
-                     moe if family.is_moe else MoeTarget(), dims.experts)
+                     moe if family.is_moe else MoeTarget(), dims.experts, quant)
+
+
+def _model_dtype(family: Family, dims: ModelDims, tensors: Mapping[str, TensorSpec]) -> str:
+    """The dtype of the checkpoint's unquantized weights: the input embedding's."""
+    embedding = _model_param_sources(family.pre_layer_params[0], dims)[0].hf_name
+    return tensors[embedding].dtype
 
 
 class _Layers:
-    """Which decoder layers are MoE layers, and which layer params each holds."""
+    """Which decoder layers are MoE layers, which of their linear weights are
+    quantized, and which layer params each holds."""
 
-    def __init__(self, family: Family, config: dict, dims: ModelDims):
-        self.family, self.config, self.count = family, config, dims.layers
+    def __init__(self, family: Family, config: dict, dims: ModelDims, quant: fp8.BlockFp8 | None = None):
+        self.family, self.config, self.count, self.quant = family, config, dims.layers, quant
         self._kinds: list[Mlp] | None = None
 
     def kind(self, layer: int) -> Mlp:
@@ -194,7 +221,14 @@ class _Layers:
 
     def holds(self, param: Param, layer: int, flags: Mapping[str, bool]) -> bool:
         return ((param.when is None or flags[param.when])
-                and (param.mlp is None or param.mlp is self.kind(layer)))
+                and (param.mlp is None or param.mlp is self.kind(layer))
+                and (not param.is_scale or self.quantized(param, layer)))
+
+    def quantized(self, param: Param, layer: int) -> bool:
+        """Whether vLLM quantizes this linear weight (or scale's weight) in this layer."""
+        return (self.quant is not None and param.linear
+                and not self.quant.skips(fp8.module_of(self.family, LAYER_PREFIX.format(i=layer) + param.name,
+                                                       param)))
 
     def first_holding(self, param: Param, flags: Mapping[str, bool]) -> int | None:
         return next((i for i in range(self.count) if self.holds(param, i, flags)), None)
@@ -213,8 +247,27 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
                 for source in param.sources:
                     for e in range(dims.experts if param.experts else 1):
                         name = LAYER_PREFIX.format(i=i) + source.hf_name.replace(EXPERT, str(e))
-                        expected[name] = dims.shape(source.hf_shape)
+                        expected[name] = _source_shape(dims, source)
     return expected
+
+
+def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
+    shape = dims.shape(source.hf_shape)
+    return shape if source.block is None else fp8.scale_shape(shape, source.block)
+
+
+def _check_quantized_dtypes(family: Family, dims: ModelDims, flags: Mapping[str, bool],
+                            tensors: Mapping[str, TensorSpec], layers: "_Layers", skipped: Mapping[str, str]) -> None:
+    """Quantized weights FP8, their scales float32, nothing else FP8 (fp8.check_dtypes)."""
+    quantized, scales = set(), set()
+    for i in range(dims.layers):
+        for param in family.layer_params:
+            if layers.holds(param, i, flags) and layers.quantized(param, i):
+                for source in param.sources:
+                    for e in range(dims.experts if param.experts else 1):
+                        name = LAYER_PREFIX.format(i=i) + source.hf_name.replace(EXPERT, str(e))
+                        (scales if source.block else quantized).add(name)
+    fp8.check_dtypes({n: t.dtype for n, t in tensors.items() if n not in skipped}, quantized, scales, layers.quant)
 
 
 def check_dims_against_checkpoint(family: Family, dims: ModelDims, flags: Mapping[str, bool],
@@ -248,7 +301,7 @@ def _first_use_of_each_size(family: Family, dims: ModelDims, flags: Mapping[str,
     sources = [s for p in family.pre_layer_params for s in _model_param_sources(p, dims)]
     for param in family.layer_params:
         layer = layers.first_holding(param, flags)
-        if layer is not None:
+        if layer is not None and not param.is_scale:  # a scale's extents are blocks, not sizes
             sources += [Source(LAYER_PREFIX.format(i=layer) + s.hf_name.replace(EXPERT, "0"), s.shape, s.split,
                                s.fused) for s in param.sources]
     sources += [s for p in family.post_layer_params for s in _model_param_sources(p, dims)]
@@ -337,12 +390,13 @@ class _Entry:
     """One key of a stage's state_dict and what it is built from."""
 
     name: str
-    sources: tuple[Source, ...]  # empty: an attention scale buffer
+    sources: tuple[Source, ...]  # empty: a 0-d constant (an attention scale)
     experts: bool = False
+    constant: tuple[str, bytes] = (SCALE_DTYPE, struct.pack("<f", ATTENTION_SCALE_VALUE))  # dtype, bytes
 
 
 def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vllm: VllmTarget, layers: _Layers,
-                  layer_range: tuple[int, int], *, first: bool, last: bool) -> list[_Entry]:
+                  layer_range: tuple[int, int], model_dtype: str, *, first: bool, last: bool) -> list[_Entry]:
     """The state_dict entries of one pipeline stage, in vLLM's module order."""
     on_stage = {
         Placement.FIRST_STAGE: first,
@@ -360,8 +414,12 @@ def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vl
         for param in family.layer_params:
             if layers.holds(param, i, flags):
                 entries.append(_Entry(prefix + param.name,
-                                      tuple(Source(prefix + s.hf_name, s.shape, s.split, s.fused)
+                                      tuple(dataclasses.replace(s, hf_name=prefix + s.hf_name)
                                             for s in param.sources), param.experts))
+        if layers.quant is not None and family.fp8_attention_scales:
+            unset = (model_dtype, fp8.attention_scale_value(model_dtype))
+            entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=unset)
+                        for p in fp8.ATTENTION_SCALE_PARAMS]
         for buffer in vllm.attention_scale_buffers:
             entries.append(_Entry(f"{prefix}{family.attention_module}.{buffer}", ()))
     return _drop_shared_storage(model_params(family.pre_layer_params) + entries
@@ -393,11 +451,12 @@ class _Cutter:
         self.dims, self.tp, self.tensors, self.moe = dims, tp, tensors, moe
 
     def cut(self, entry: _Entry, rank: int) -> PlannedTensor:
-        if not entry.sources:  # an attention scale buffer: a 0-d float32 1.0
-            return PlannedTensor(entry.name, SCALE_DTYPE, (), (Constant(struct.pack("<f", 1.0)),))
+        if not entry.sources:  # an attention scale: a 0-d constant
+            dtype, data = entry.constant
+            return PlannedTensor(entry.name, dtype, (), (Constant(data),))
         if entry.experts:
             return self._cut_experts(entry, rank)
-        pieces = [p for source in entry.sources for p in self._cut_source(source, rank, self.tp)]
+        pieces = self._concatenation(entry.name, entry.sources, rank, self.tp)
         rows = sum(self._piece_rows(p) for p in pieces)
         trailing = self._trailing_shape(entry.sources[0], pieces[0])
         return PlannedTensor(entry.name, self._dtype(entry.name, entry.sources), (rows, *trailing), tuple(pieces))
@@ -410,11 +469,38 @@ class _Cutter:
         else:
             held, moe_tp, moe_rank = list(range(self.dims.experts)), self.tp, rank
         per_expert = [[_for_expert(s, e) for s in entry.sources] for e in held]
-        pieces = [[p for s in sources for p in self._cut_source(s, moe_rank, moe_tp)] for sources in per_expert]
+        pieces = [self._concatenation(entry.name, sources, moe_rank, moe_tp) for sources in per_expert]
         rows = sum(self._piece_rows(p) for p in pieces[0])
         trailing = self._trailing_shape(per_expert[0][0], pieces[0][0])
         dtype = self._dtype(entry.name, tuple(s for sources in per_expert for s in sources))
         return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))
+
+    def _concatenation(self, name: str, sources: tuple[Source, ...] | list[Source], rank: int,
+                       tp: int) -> list[Piece]:
+        """The pieces of `sources` for `rank`, concatenated along dim 0: each
+        cut for the rank, or for FP8 scales, their weights' cuts in blocks."""
+        if sources[0].block is None:
+            return [p for s in sources for p in self._cut_source(s, rank, tp)]
+        weights = [(s, p) for s in sources for p in self._cut_source(fp8.weight_source(s), rank, tp)]
+        return [self._in_blocks(name, scale, piece, rank, tp, last=i == len(weights) - 1)
+                for i, (scale, piece) in enumerate(weights)]
+
+    def _in_blocks(self, name: str, scale: Source, piece: Piece, rank: int, tp: int, *, last: bool) -> Piece:
+        """The scale piece that covers weight `piece`. vLLM allocates
+        ceil(part/bn) scale rows per fused part and cuts the scale at the
+        weight's offsets divided by the block: only whole blocks line up (a
+        fused weight's last part may end on a partial one, its own tail)."""
+        assert isinstance(piece, (Rows, Columns)), piece  # no vocabulary padding in a linear weight
+        rows, columns = self.tensors[piece.source].shape
+        block = scale.block[0] if isinstance(piece, Rows) else scale.block[1]
+        extent, axis = (rows, "rows") if isinstance(piece, Rows) else (columns, "columns")
+        if piece.start % block or (piece.stop % block and (piece.stop != extent or not last)):
+            raise ShardError(f"{name} at tensor parallel size {tp}: rank {rank} would hold {axis} "
+                             f"[{piece.start}, {piece.stop}) of {piece.source}, which is not whole {block}-wide FP8 "
+                             f"scale blocks ({piece.stop - piece.start} {axis}); vLLM cannot load that cut, so choose "
+                             f"a tensor-parallel size that leaves each rank a multiple of {block}")
+        start, stop = piece.start // block, -(-piece.stop // block)
+        return Rows(scale.hf_name, start, stop) if isinstance(piece, Rows) else Columns(scale.hf_name, start, stop)
 
     def _dtype(self, name: str, sources: tuple[Source, ...]) -> str:
         dtypes = {self.tensors[s.hf_name].dtype for s in sources}
@@ -471,7 +557,7 @@ class _Cutter:
 
 
 def _for_expert(source: Source, expert: int) -> Source:
-    return Source(source.hf_name.replace(EXPERT, str(expert)), source.shape, source.split)
+    return dataclasses.replace(source, hf_name=source.hf_name.replace(EXPERT, str(expert)))
 
 
 def _check_divides(name: str, extent: int, tp: int, what: str) -> None:

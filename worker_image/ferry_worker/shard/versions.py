@@ -30,6 +30,11 @@ PP_FILE_NAMES_SINCE: Version = (0, 32, 0)
 TP_ONLY_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_AND_TP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 
+# FP8 block-scaled layouts (shard/fp8.py) are read from 0.32's source and
+# checked against what 0.32 builds in each worker; older releases differ
+# (attention's prob_scale, the scale buffers, MoE scale names).
+FP8_BLOCK_LAYOUT_SINCE: Version = (0, 32, 0)
+
 
 @dataclass(frozen=True)
 class VllmTarget:
@@ -40,6 +45,10 @@ class VllmTarget:
     @property
     def attention_scale_buffers(self) -> tuple[str, ...]:
         return ATTENTION_SCALE_BUFFERS if self.version >= ATTENTION_SCALE_BUFFERS_SINCE else ()
+
+    @property
+    def fp8_block_layout_known(self) -> bool:
+        return self.version >= FP8_BLOCK_LAYOUT_SINCE
 
     @property
     def supports_pipeline_parallel(self) -> bool:

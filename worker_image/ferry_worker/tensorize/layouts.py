@@ -104,17 +104,9 @@ def vllm_files(checkpoint: Checkpoint, plan: ShardPlan) -> list[TensorFile]:
                 entries.append(TensorEntry(tied[lm_head], kind, tensor.dtype, tensor.shape, tensor))
                 heads.append(TensorEntry(lm_head, kind, tensor.dtype, tensor.shape, tensor))
             else:
-                entries.append(TensorEntry(_module_path(family, tensor.name), kind, tensor.dtype, tensor.shape, tensor))
+                entries.append(TensorEntry(family.registered_path(tensor.name), kind, tensor.dtype, tensor.shape, tensor))
         files.append(TensorFile(names[planned_file.tp_rank], tuple(entries + heads)))
     return files
-
-
-def _module_path(family, name: str) -> str:
-    """The name under which `named_modules()` reaches this tensor (see Family.module_aliases)."""
-    for saved, registered in family.module_aliases:
-        if saved in name:
-            return name.replace(saved, registered, 1)
-    return name
 
 
 def _check_one_param_dtype(tensors) -> None:

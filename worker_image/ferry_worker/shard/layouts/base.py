@@ -60,6 +60,10 @@ class Source:
     # `fused[1]` along dim 0 (Phi-3's `qkv_proj`, `gate_up_proj`): vLLM splits
     # the fused tensor into its parts first, then cuts each part for the rank.
     fused: tuple[int, tuple[str, ...]] | None = None
+    # An FP8 weight's block scales (`<weight>_scale_inv`): `(rows, columns)`
+    # of the weight each scale covers; the symbolic shape is the weight's,
+    # in elements, and the tensor is that shape in whole or partial blocks.
+    block: tuple[int, int] | None = None
 
     @property
     def hf_shape(self) -> tuple[str, ...]:
@@ -99,6 +103,14 @@ class Param:
     # and the parameter is their stack. Cut by the MoE layer's own parallelism
     # (tensor parallel, or expert parallel: whole experts, split tp 1).
     experts: bool = False
+    # A Linear (or FusedMoE) weight that vLLM's FP8 method quantizes unless
+    # config.json lists its module as not converted (shard/fp8.py).
+    linear: bool = False
+
+    @property
+    def is_scale(self) -> bool:
+        """FP8 block scales of a linear weight: present only where that weight is quantized."""
+        return self.sources[0].block is not None
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,18 @@ class Family:
     module_aliases: tuple[tuple[str, str], ...] = ()
     # Serving targets whose layout the tables do not describe, and why.
     refused_targets: dict[str, str] = field(default_factory=dict)
+    # Under an FP8 config, vLLM's Attention layers (not MLA's) gain four 0-d
+    # parameters q/k/v/prob_scale (Fp8KVCacheMethod) that the file must hold.
+    fp8_attention_scales: bool = True
+
+    def registered_path(self, name: str) -> str:
+        """The path under which `named_modules()` (and vLLM's quantization
+        config, which sees each module's construction prefix) reaches the
+        tensor saved as `name` (see `module_aliases`)."""
+        for saved, registered in self.module_aliases:
+            if saved in name:
+                return name.replace(saved, registered, 1)
+        return name
 
     @property
     def is_moe(self) -> bool:

@@ -40,8 +40,10 @@ def qk_norms(when: str | None) -> tuple[Param, ...]:
     return tuple(replicated(f"self_attn.{x}_norm.weight", "head_dim", when=when) for x in "qk")
 
 
-O_PROJ = Param("self_attn.o_proj.weight", (Source("self_attn.o_proj.weight", ("hidden", "q"), Split.INPUT),))
-DOWN_PROJ = Param("mlp.down_proj.weight", (Source("mlp.down_proj.weight", ("hidden", "intermediate"), Split.INPUT),))
+O_PROJ = Param("self_attn.o_proj.weight", (Source("self_attn.o_proj.weight", ("hidden", "q"), Split.INPUT),),
+               linear=True)
+DOWN_PROJ = Param("mlp.down_proj.weight", (Source("mlp.down_proj.weight", ("hidden", "intermediate"), Split.INPUT),),
+                  linear=True)
 LAYER_NORMS = (
     replicated("input_layernorm.weight", "hidden"),
     replicated("post_attention_layernorm.weight", "hidden"),
@@ -62,7 +64,6 @@ NORM_AND_LM_HEAD = (
 
 ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
                   "rotary_pos_emb.inv_freq")
-QUANTIZED = ("quantization_config",)
 
 
 def _llama_layers(fused: bool) -> tuple[Param, ...]:
@@ -70,12 +71,12 @@ def _llama_layers(fused: bool) -> tuple[Param, ...]:
     qkv_name = "self_attn.qkv_proj" if fused else None
     gate_up_name = "mlp.gate_up_proj" if fused else None
     return (
-        Param("self_attn.qkv_proj.weight", qkv(bias=False, fused=qkv_name)),
+        Param("self_attn.qkv_proj.weight", qkv(bias=False, fused=qkv_name), linear=True),
         Param("self_attn.qkv_proj.bias", qkv(bias=True, fused=qkv_name), when="qkv_bias"),
         O_PROJ,
         Param("self_attn.o_proj.bias", (Source("self_attn.o_proj.bias", ("hidden",), Split.REPLICATED),),
               when="o_proj_bias"),
-        Param("mlp.gate_up_proj.weight", gate_up(bias=False, fused=gate_up_name)),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False, fused=gate_up_name), linear=True),
         Param("mlp.gate_up_proj.bias", gate_up(bias=True, fused=gate_up_name), when="mlp_bias"),
         DOWN_PROJ,
         Param("mlp.down_proj.bias", (Source("mlp.down_proj.bias", ("hidden",), Split.REPLICATED),),
@@ -103,7 +104,7 @@ LLAMA = Family(
     layer_params=_llama_layers(fused=False),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(*QUANTIZED, "ada_rms_norm_t_cond"),
+    refused_config_keys=("ada_rms_norm_t_cond",),
 )
 
 # Phi3ForCausalLM is a LlamaForCausalLM whose checkpoint fuses q/k/v and
@@ -119,7 +120,7 @@ PHI3 = Family(
     layer_params=_llama_layers(fused=True),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
 )
 
 QWEN2 = Family(
@@ -129,21 +130,21 @@ QWEN2 = Family(
     flags={"qk_norm": Flag(("qk_norm",))},
     pre_layer_params=EMBEDDING,
     layer_params=(
-        Param("self_attn.qkv_proj.weight", qkv(bias=False)),
+        Param("self_attn.qkv_proj.weight", qkv(bias=False), linear=True),
         Param("self_attn.qkv_proj.bias", qkv(bias=True)),  # Qwen2Attention: bias=True always
         O_PROJ,
         *qk_norms(when="qk_norm"),
-        Param("mlp.gate_up_proj.weight", gate_up(bias=False)),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False), linear=True),
         DOWN_PROJ,
         *LAYER_NORMS,
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
 )
 
 QWEN3_ATTENTION = (
-    Param("self_attn.qkv_proj.weight", qkv(bias=False)),
+    Param("self_attn.qkv_proj.weight", qkv(bias=False), linear=True),
     Param("self_attn.qkv_proj.bias", qkv(bias=True), when="qkv_bias"),
     O_PROJ,
     *qk_norms(when=None),
@@ -157,13 +158,13 @@ QWEN3 = Family(
     pre_layer_params=EMBEDDING,
     layer_params=(
         *QWEN3_ATTENTION,
-        Param("mlp.gate_up_proj.weight", gate_up(bias=False)),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False), linear=True),
         DOWN_PROJ,
         *LAYER_NORMS,
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
 )
 
 # Gemma 2/3: four GemmaRMSNorms per layer, stored raw (vLLM adds the 1 in
@@ -185,13 +186,13 @@ _GEMMA_NORM = Param("model.norm.weight", (Source("model.norm.weight", ("hidden",
 def _gemma_layers(qk_norm: bool) -> tuple[Param, ...]:
     """Gemma2/3DecoderLayer: qkv_proj and o_proj take config.attention_bias; Gemma 3 adds q/k norms."""
     return (
-        Param("self_attn.qkv_proj.weight", qkv(bias=False)),
+        Param("self_attn.qkv_proj.weight", qkv(bias=False), linear=True),
         Param("self_attn.qkv_proj.bias", qkv(bias=True), when="qkv_bias"),
         O_PROJ,
         Param("self_attn.o_proj.bias", (Source("self_attn.o_proj.bias", ("hidden",), Split.REPLICATED),),
               when="o_proj_bias"),
         *(qk_norms(when=None) if qk_norm else ()),
-        Param("mlp.gate_up_proj.weight", gate_up(bias=False)),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False), linear=True),
         DOWN_PROJ,
         *_GEMMA_LAYER_NORMS,
     )
@@ -209,7 +210,7 @@ GEMMA2 = Family(
     # Gemma2ForCausalLM has no LM head module: logits come from the embedding.
     post_layer_params=(_GEMMA_NORM,),
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
     tied_by_default=True,
 )
 
@@ -230,6 +231,6 @@ GEMMA3 = Family(
               placement=Placement.EVERY_STAGE, tied_source="model.embed_tokens.weight"),
     ),
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
     tied_by_default=True,
 )

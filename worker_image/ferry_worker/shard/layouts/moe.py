@@ -12,8 +12,8 @@ expert parallelism a rank holds whole experts (see plan.expert_ranks).
 from __future__ import annotations
 
 from .base import Family, Flag, Mlp, Param, SizeKey, Source, Split
-from .dense import (DOWN_PROJ, EMBEDDING, LAYER_NORMS, NORM_AND_LM_HEAD, O_PROJ, QUANTIZED, QWEN3_ATTENTION,
-                    ROTARY_BUFFERS, gate_up, qkv)
+from .dense import (DOWN_PROJ, EMBEDDING, LAYER_NORMS, NORM_AND_LM_HEAD, O_PROJ, QWEN3_ATTENTION, ROTARY_BUFFERS,
+                    gate_up, qkv)
 
 
 def experts(block: str, key: str, gate: str, up: str, down: str) -> tuple[Param, ...]:
@@ -24,19 +24,20 @@ def experts(block: str, key: str, gate: str, up: str, down: str) -> tuple[Param,
         Param(f"{block}.{key}.w13_weight",
               (Source(f"{per_expert}.{gate}.weight", ("moe_intermediate", "hidden"), Split.OUTPUT),
                Source(f"{per_expert}.{up}.weight", ("moe_intermediate", "hidden"), Split.OUTPUT)),
-              mlp=Mlp.SPARSE, experts=True),
+              mlp=Mlp.SPARSE, experts=True, linear=True),
         Param(f"{block}.{key}.w2_weight",
               (Source(f"{per_expert}.{down}.weight", ("hidden", "moe_intermediate"), Split.INPUT),),
-              mlp=Mlp.SPARSE, experts=True),
+              mlp=Mlp.SPARSE, experts=True, linear=True),
     )
 
 
-def router(block: str, key: str) -> Param:
+def router(block: str, key: str, quantized: bool = False) -> Param:
     """The router (GateLinear `[experts, hidden]`), replicated on every rank.
     `key` is where vLLM's filtered state_dict keeps it: a module registered
-    twice keeps its smallest name."""
+    twice keeps its smallest name. `quantized`: the model hands the gate its
+    quant_config (Qwen3-MoE; Mixtral's and DeepSeek's always run in bf16)."""
     return Param(f"{block}.{key}.weight", (Source(f"{block}.gate.weight", ("experts", "hidden"), Split.REPLICATED),),
-                 mlp=Mlp.SPARSE)
+                 mlp=Mlp.SPARSE, linear=quantized)
 
 
 # The routed experts live in FusedMoE's RoutedExperts submodule.
@@ -49,7 +50,7 @@ MIXTRAL = Family(
     flags={},
     pre_layer_params=EMBEDDING,
     layer_params=(
-        Param("self_attn.qkv_proj.weight", qkv(bias=False)),
+        Param("self_attn.qkv_proj.weight", qkv(bias=False), linear=True),
         O_PROJ,
         router("block_sparse_moe", "gate"),
         *experts("block_sparse_moe", ROUTED, "w1", "w3", "w2"),
@@ -57,7 +58,7 @@ MIXTRAL = Family(
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
     # Mixtral's expert intermediate size is config.json `intermediate_size`.
     sizes=(SizeKey("experts", ("num_local_experts",)), SizeKey("moe_intermediate", ("intermediate_size",))),
     sparse_layer=lambda config, layer: True,
@@ -82,15 +83,15 @@ QWEN3_MOE = Family(
         *QWEN3_ATTENTION,
         # Qwen3MoeSparseMoeBlock hands its gate to FusedMoE, which registers it
         # again as `experts.gate`: the filter keeps that smaller name.
-        router("mlp", "experts.gate"),
+        router("mlp", "experts.gate", quantized=True),
         *experts("mlp", ROUTED, "gate_proj", "up_proj", "down_proj"),
-        Param("mlp.gate_up_proj.weight", gate_up(bias=False), mlp=Mlp.DENSE),
-        Param(DOWN_PROJ.name, DOWN_PROJ.sources, mlp=Mlp.DENSE),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False), mlp=Mlp.DENSE, linear=True),
+        Param(DOWN_PROJ.name, DOWN_PROJ.sources, mlp=Mlp.DENSE, linear=True),
         *LAYER_NORMS,
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=QUANTIZED,
+    refused_config_keys=(),
     # transformers 5 writes `num_local_experts` (its attribute_map aliases the Hub's `num_experts` to it).
     sizes=(SizeKey("experts", ("num_experts", "num_local_experts")),
            SizeKey("moe_intermediate", ("moe_intermediate_size",))),
@@ -123,21 +124,24 @@ _MLA = (
     Param("self_attn.fused_qkv_a_proj.weight",
           (Source("self_attn.q_a_proj.weight", ("q_lora", "hidden"), Split.REPLICATED),
            Source("self_attn.kv_a_proj_with_mqa.weight", ("kv_lora+rope", "hidden"), Split.REPLICATED)),
-          when="q_lora"),
+          when="q_lora", linear=True),
     Param("self_attn.kv_a_proj_with_mqa.weight",
           (Source("self_attn.kv_a_proj_with_mqa.weight", ("kv_lora+rope", "hidden"), Split.REPLICATED),),
-          when="no_q_lora"),
+          when="no_q_lora", linear=True),
     Param("self_attn.mla_attn.q_a_layernorm.weight",
           (Source("self_attn.q_a_layernorm.weight", ("q_lora",), Split.REPLICATED),), when="q_lora"),
     Param("self_attn.mla_attn.q_b_proj.weight",
-          (Source("self_attn.q_b_proj.weight", ("mla_q", "q_lora"), Split.OUTPUT),), when="q_lora"),
+          (Source("self_attn.q_b_proj.weight", ("mla_q", "q_lora"), Split.OUTPUT),), when="q_lora",
+          linear=True),
     Param("self_attn.mla_attn.q_proj.weight",
-          (Source("self_attn.q_proj.weight", ("mla_q", "hidden"), Split.OUTPUT),), when="no_q_lora"),
+          (Source("self_attn.q_proj.weight", ("mla_q", "hidden"), Split.OUTPUT),), when="no_q_lora",
+          linear=True),
     Param("self_attn.kv_a_layernorm.weight",
           (Source("self_attn.kv_a_layernorm.weight", ("kv_lora",), Split.REPLICATED),)),
-    Param("self_attn.kv_b_proj.weight", (Source("self_attn.kv_b_proj.weight", ("mla_kv_b", "kv_lora"), Split.OUTPUT),)),
+    Param("self_attn.kv_b_proj.weight", (Source("self_attn.kv_b_proj.weight", ("mla_kv_b", "kv_lora"), Split.OUTPUT),),
+          linear=True),
     Param("self_attn.mla_attn.o_proj.weight",
-          (Source("self_attn.o_proj.weight", ("hidden", "mla_o"), Split.INPUT),)),
+          (Source("self_attn.o_proj.weight", ("hidden", "mla_o"), Split.INPUT),), linear=True),
 )
 
 # DeepseekV2MoE hands its gate and its shared experts to FusedMoE, which
@@ -152,10 +156,10 @@ _DEEPSEEK_MOE = (
           when="noaux_tc", mlp=Mlp.SPARSE),
     Param("mlp.experts._shared_experts._layer.gate_up_proj.weight",
           gate_up(bias=False, prefix="mlp.shared_experts", rows="shared_intermediate"),
-          when="shared_experts", mlp=Mlp.SPARSE),
+          when="shared_experts", mlp=Mlp.SPARSE, linear=True),
     Param("mlp.experts._shared_experts._layer.down_proj.weight",
           (Source("mlp.shared_experts.down_proj.weight", ("hidden", "shared_intermediate"), Split.INPUT),),
-          when="shared_experts", mlp=Mlp.SPARSE),
+          when="shared_experts", mlp=Mlp.SPARSE, linear=True),
     *experts("mlp", ROUTED, "gate_proj", "up_proj", "down_proj"),
 )
 
@@ -173,13 +177,13 @@ DEEPSEEK = Family(
     layer_params=(
         *_MLA,
         *_DEEPSEEK_MOE,
-        Param("mlp.gate_up_proj.weight", gate_up(bias=False), mlp=Mlp.DENSE),
-        Param(DOWN_PROJ.name, DOWN_PROJ.sources, mlp=Mlp.DENSE),
+        Param("mlp.gate_up_proj.weight", gate_up(bias=False), mlp=Mlp.DENSE, linear=True),
+        Param(DOWN_PROJ.name, DOWN_PROJ.sources, mlp=Mlp.DENSE, linear=True),
         *LAYER_NORMS,
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(*QUANTIZED, "index_topk"),  # DeepSeek-V3.2's sparse-attention indexer
+    refused_config_keys=("index_topk",),  # DeepSeek-V3.2's sparse-attention indexer
     attention_module="self_attn.mla_attn.mla_attn",
     sizes=(SizeKey("experts", ("n_routed_experts",)), SizeKey("moe_intermediate", ("moe_intermediate_size",)),
            SizeKey("q_lora", ("q_lora_rank",), optional=True), SizeKey("kv_lora", ("kv_lora_rank",)),
@@ -196,4 +200,6 @@ DEEPSEEK = Family(
                     (".self_attn.mla_attn.o_proj.", ".self_attn.o_proj.")),
     refused_targets={"rocm": "on ROCm vLLM may fuse the shared experts into the routed ones (AITER), a layout "
                              "ferry shard does not write"},
+    # MLAAttention is not an Attention: vLLM's FP8 config gives it no q/k/v/prob_scale.
+    fp8_attention_scales=False,
 )

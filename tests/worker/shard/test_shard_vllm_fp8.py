@@ -1,0 +1,142 @@
+"""FP8 block-scaled checkpoints: Ferry's `sharded_state` rank files against the
+state vLLM 0.32 itself builds in each TP 2 worker (and EP 2 for the MoE
+families), name for name, dtype, shape and byte for byte.
+
+The checkpoints are written by transformers' own modelling code
+(hf_generate.py) and then quantized as DeepSeek-V3's recipe does (per
+128x128 tile: scale = amax / 448, float8_e4m3fn weight, float32
+`weight_scale_inv`), with sizes for which every rank's slice is whole blocks,
+as in the real releases. vllm_fp8_state.py loads each in every worker with
+vLLM's default loader (vLLM's own weight loaders cut each weight and scale)
+and Ferry's artifact with ShardedStateLoader, both before
+process_weights_after_loading, and reports both state_dicts.
+
+Not proven here: generation. vLLM's CPU FP8 kernels need AMX, which this
+project's machines do not all have; FP8 tokens are unproven until a GPU run
+(the README says so).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from ferry_worker.manifest import read_manifest
+from ferry_worker.shard.experts import MoeTarget
+from ferry_worker.shard.job import ShardJob
+
+from vllm_tokens import CPU_ENGINE_ENV, run_engines
+
+HERE = Path(__file__).parent
+STATE, HF_GENERATE = HERE / "vllm_fp8_state.py", HERE / "hf_generate.py"
+BLOCK = [128, 128]
+_DENSE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+          "intermediate_size": 512}
+# MLA at whole blocks per rank: q_b 4 x (64 + 64) / 2, kv_b 4 x (64 + 64) / 2, o_proj's input 4 x 64 / 2.
+_MLA = {"hidden_size": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
+        "moe_intermediate_size": 256, "intermediate_size": 256}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    family: str  # hf_generate.py's
+    config: dict
+    expert_parallel: bool = False  # also cut and compared at EP 2
+    not_converted: tuple[str, ...] = ()
+    routers: bool = False  # quantize the MoE routers too (Qwen3-MoE hands its gate the quant config)
+    fp8: dict = field(default_factory=dict)
+
+
+CHECKPOINTS = (
+    Checkpoint("llama", "", {"model_type": "llama", "family": None, "config": {
+        **_DENSE, "num_hidden_layers": 2, "vocab_size": 1000, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2}}),
+    Checkpoint("qwen3", "", {"model_type": "qwen3", "config": {
+        **_DENSE, "num_hidden_layers": 2, "vocab_size": 1000, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2}}),
+    Checkpoint("phi3", "phi3", {"config": {"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                           "intermediate_size": 512}}),
+    Checkpoint("gemma3", "gemma3_text", {"config": {**_DENSE, "query_pre_attn_scalar": 128}}),
+    Checkpoint("mixtral", "mixtral", {"config": {**_DENSE, "intermediate_size": 256}}, expert_parallel=True),
+    # Qwen3-*-FP8 keep every router in bf16 and say so; without that vLLM quantizes the gate too.
+    Checkpoint("qwen3_moe", "qwen3_moe", {"config": {**_DENSE, "moe_intermediate_size": 256}}, expert_parallel=True,
+               not_converted=("model.layers.0.mlp.gate", "model.layers.1.mlp.gate")),
+    Checkpoint("qwen3_moe-fp8-router", "qwen3_moe", {"config": {**_DENSE, "moe_intermediate_size": 256}},
+               routers=True),
+    Checkpoint("deepseek_v2", "deepseek_v2", {"config": {**_MLA, "n_shared_experts": 2}}),
+    Checkpoint("deepseek_v3", "deepseek_v3", {"config": {**_MLA, "q_lora_rank": 128}}, expert_parallel=True),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    checkpoint: Checkpoint
+    expert_parallel: bool
+
+
+RUNS = tuple(Run(f"{c.name}-{'ep' if ep else 'tp'}2", c, ep) for c in CHECKPOINTS
+             for ep in ((False, True) if c.expert_parallel else (False,)))
+
+
+def _case(checkpoint: Checkpoint) -> str:
+    case = {k: v for k, v in checkpoint.config.items() if k != "family"}
+    if checkpoint.family:
+        case["family"] = checkpoint.family
+    case["fp8"] = {"block": BLOCK, "not_converted": list(checkpoint.not_converted), "routers": checkpoint.routers}
+    return json.dumps(case)
+
+
+@pytest.fixture(scope="module")
+def fp8_states(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("vllm-fp8")
+    env = {**os.environ, **CPU_ENGINE_ENV}
+    specs, artifacts = [], {}
+    for run in RUNS:
+        original = root / run.checkpoint.name
+        if not original.exists():
+            proc = subprocess.run([vllm_python, str(HF_GENERATE), str(original), _case(run.checkpoint)],
+                                  capture_output=True, text=True, env=env, timeout=600)
+            if proc.returncode != 0:
+                pytest.fail(f"hf_generate.py {run.checkpoint.name} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        artifact = root / run.name
+        ShardJob.prepare(original, artifact, tp=2, moe=MoeTarget(expert_parallel=run.expert_parallel)).run()
+        artifacts[run.name] = artifact
+        specs.append({"name": run.name, "tp": 2, "original": str(original), "artifact": str(artifact),
+                      "expert_parallel": run.expert_parallel})
+    results = {r["name"]: r for r in run_engines(vllm_python, STATE, specs, env=env, cwd=root, timeout=1800)}
+    for name, artifact in artifacts.items():
+        results[name]["manifest"] = read_manifest(artifact).extra
+    return results
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("name", [r.name for r in RUNS])
+def test_fp8_rank_files_are_the_state_vllm_builds_in_each_worker(fp8_states, name):
+    run = next(r for r in RUNS if r.name == name)
+    workers = fp8_states[name]["workers"]
+    assert sorted(w["tp_rank"] for w in workers) == [0, 1]
+    for worker in workers:
+        default, sharded = worker["default"], worker["sharded"]
+        assert sorted(sharded) == sorted(default), worker["tp_rank"]
+        differing = [k for k in default if default[k] != sharded[k]]
+        assert not differing, f"tp {worker['tp_rank']}: differ from vLLM's own load: {differing}"
+        # The comparison covered FP8 weights with their float32 block scales, not a model vLLM left unquantized.
+        dtypes = {k: v[1] for k, v in default.items()}
+        quantized = [k for k, d in dtypes.items() if d == "float8_e4m3fn"]
+        assert quantized and all(dtypes.get(k + "_scale_inv") == "float32" for k in quantized), worker["tp_rank"]
+        attention_scales = [k for k in default if k.endswith(".attn.q_scale")]
+        assert bool(attention_scales) is not run.checkpoint.family.startswith("deepseek")  # MLA has none
+        routers = [k for k in default if k.endswith(("mlp.experts.gate.weight", "block_sparse_moe.gate.weight"))]
+        assert all(dtypes[k] == ("float8_e4m3fn" if run.checkpoint.routers else "bfloat16") for k in routers)
+        if run.expert_parallel:
+            w13 = next(v for k, v in default.items() if k.endswith("w13_weight"))
+            assert w13[0][0] == 2, w13  # 4 experts over EP 2
+    quantization = fp8_states[name]["manifest"]["quantization"]
+    assert quantization["method"] == "fp8" and quantization["weightBlockSize"] == BLOCK

@@ -1,0 +1,204 @@
+"""FP8 block-scaled checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8) as vLLM
+0.32 loads them: quantization/fp8.py, utils/fp8_utils.py, utils/quant_utils.py
+(`is_layer_skipped`), layers/linear.py, parameter.py and
+fused_moe/routed_experts.py; notes with line numbers in
+docs/research/fp8-block-scaled.md.
+
+A quantized Linear `X` holds `X.weight` (float8_e4m3fn, its usual per-rank
+shape) and `X.weight_scale_inv` (float32, one dequantization factor per
+`bn x bk` block of the weight: `[ceil(out/bn), ceil(in/bk)]`), which vLLM
+cuts with its weight in block units; FusedMoE stacks the experts' scales as
+`w13_weight_scale_inv` / `w2_weight_scale_inv`. Which modules are quantized
+is config.json's `ignored_layers` (or `modules_to_not_convert`), matched as
+vLLM matches them; the checkpoint must agree, tensor by tensor.
+
+A cut is planned only where every rank's slice of a weight starts and ends on
+a block boundary (the last part of a fused weight may end on a partial
+block). vLLM allocates `ceil(part/bn)` scale rows per fused part and skips its
+own block-shape check for fused layers, so another cut either fails at load
+or, for some sizes, loads misplaced scales on the middle ranks without a
+word; for MoE it refines the scale grid instead, a layout this module does
+not write.
+"""
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass
+from typing import Mapping
+
+from .experts import MoeTarget
+from .layouts import Family, Param, Source
+from .model import ModelDims, ShardError
+
+WEIGHT_DTYPE = "F8_E4M3"  # torch.float8_e4m3fn, what vLLM's Fp8LinearMethod allocates
+SCALE_DTYPE = "F32"  # Fp8Config never sets is_scale_e8m0 in 0.32: scales are float32
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
+SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`, `w13_weight` -> `w13_weight_scale_inv`
+# The fused modules of vLLM's models (their packed_modules_mapping) and the
+# checkpoint modules they stand for: vLLM asks about each part when the
+# fused name itself is not listed.
+PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+# Attention's KV-cache quantization parameters under an FP8 config
+# (quantization/kv_cache.py BaseKVCacheMethod.create_weights), in
+# registration order: 0-d, the model dtype, -1.0 ("not set by the checkpoint").
+ATTENTION_SCALE_PARAMS = ("q_scale", "k_scale", "v_scale", "prob_scale")
+ATTENTION_SCALE_UNSET = -1.0
+MAX_IGNORED = 100_000  # config.json entries; a real list names each layer's few modules at most
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """config.json's `quantization_config` for block-scaled FP8."""
+
+    block: tuple[int, int]  # weight_block_size: [rows (bn), columns (bk)]
+    ignored: frozenset[str] = frozenset()
+
+    def skips(self, module: str) -> bool:
+        """Whether vLLM leaves the module built at `module` (its full prefix)
+        unquantized: `is_layer_skipped(prefix, ignored, packed, "exact")`."""
+        proj = module.rsplit(".", 1)[-1]
+        if proj in PACKED:
+            if module in self.ignored:
+                return True
+            parts = {part: module.replace(proj, part) in self.ignored for part in PACKED[proj]}
+            if len(set(parts.values())) > 1:
+                raise ShardError(f"config.json quantization_config lists only some parts of {module} as not "
+                                 f"converted ({', '.join(p for p, skipped in parts.items() if skipped)}); vLLM "
+                                 f"refuses a fused layer of mixed precision")
+            return next(iter(parts.values()))
+        if "experts" in module:  # vLLM: any listed name with "experts" in it that contains the prefix
+            return any(module in entry for entry in self.ignored if "experts" in entry)
+        return module in self.ignored
+
+    def facts(self) -> dict:
+        """For the manifest: what the scales were cut for."""
+        return {"method": "fp8", "weightBlockSize": list(self.block), "scaleDtype": SCALE_DTYPE,
+                # Where vLLM has a choice (MoE scales that are not whole blocks per rank) it refines
+                # the grid, or pads with an explicit --moe-backend; cuts needing either are refused.
+                "moeScaleGrid": "checkpoint blocks"}
+
+
+def block_fp8(config: dict) -> BlockFp8 | None:
+    """The checkpoint's FP8 block quantization, None for an unquantized one,
+    or a ShardError naming the setting vLLM or Ferry would not accept."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ShardError("config.json: quantization_config must be an object")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ShardError(f"config.json: quantization_config.quant_method is {method!r}; ferry shard cuts "
+                         f"unquantized and FP8 block-scaled (quant_method \"fp8\" with weight_block_size) "
+                         f"checkpoints only, and writes no layout it has not checked against vLLM")
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise ShardError("config.json: quantization_config has no weight_block_size: per-tensor FP8 "
+                         "(weight_scale, input_scale) is not supported by ferry shard, block-scaled FP8 is")
+    if (not isinstance(block, list) or len(block) != 2
+            or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in block)):
+        raise ShardError(f"config.json: quantization_config.weight_block_size must be two positive integers, "
+                         f"got {block!r}")
+    if qc.get("activation_scheme") != "dynamic":
+        raise ShardError(f"config.json: quantization_config.activation_scheme is "
+                         f"{qc.get('activation_scheme')!r}; vLLM loads block-scaled FP8 only with \"dynamic\"")
+    if qc.get("fmt") not in (None, "e4m3"):
+        raise ShardError(f"config.json: quantization_config.fmt is {qc.get('fmt')!r}; vLLM allocates "
+                         f"float8_e4m3fn weights, so only \"e4m3\" is cut")
+    if qc.get("store_dtype") is not None:
+        raise ShardError(f"config.json: quantization_config.store_dtype {qc.get('store_dtype')!r} selects "
+                         f"another expert layout (MXFP4), which ferry shard does not write")
+    ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+    if not isinstance(ignored, list) or not all(isinstance(m, str) for m in ignored):
+        raise ShardError("config.json: quantization_config.ignored_layers / modules_to_not_convert must be a "
+                         "list of module names")
+    if len(ignored) > MAX_IGNORED:
+        raise ShardError(f"config.json: quantization_config lists {len(ignored)} modules not to convert, "
+                         f"more than the {MAX_IGNORED} ferry shard reads")
+    return BlockFp8((block[0], block[1]), frozenset(ignored))
+
+
+def with_scales(family: Family, quant: BlockFp8) -> Family:
+    """The family's layer tables with each linear weight followed by its
+    block scales (present in a layer only where that weight is quantized)."""
+    params: list[Param] = []
+    for param in family.layer_params:
+        params.append(param)
+        if param.linear:
+            sources = tuple(dataclasses.replace(s, hf_name=s.hf_name + SCALE_SUFFIX, block=quant.block)
+                            for s in param.sources)
+            params.append(dataclasses.replace(param, name=param.name + SCALE_SUFFIX, sources=sources))
+    return dataclasses.replace(family, layer_params=tuple(params))
+
+
+def module_of(family: Family, full_name: str, param: Param) -> str:
+    """The prefix vLLM built the module holding `full_name` with (the one its
+    quantization config is asked about): FusedMoE's for expert stacks."""
+    registered = family.registered_path(full_name.removesuffix(SCALE_SUFFIX))
+    return registered.rsplit(".", 2 if param.experts else 1)[0]
+
+
+def weight_source(scale: Source) -> Source:
+    return dataclasses.replace(scale, hf_name=scale.hf_name.removesuffix(SCALE_SUFFIX), block=None)
+
+
+def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    rows, columns = weight_shape
+    return -(-rows // block[0]), -(-columns // block[1])
+
+
+def check_moe_blocks(dims: ModelDims, tp: int, moe: MoeTarget, quant: BlockFp8) -> None:
+    """vLLM refines the experts' scale grid (or pads the rank's rows, with an
+    explicit MoE backend) unless each rank's expert intermediate size is whole
+    blocks; Ferry writes the checkpoint's grid only, so it refuses the rest."""
+    bn, bk = quant.block
+    inter = dims.size("moe_intermediate")
+    moe_tp = 1 if moe.expert_parallel else tp
+    per_rank = inter // moe_tp
+    if per_rank % bn or (moe_tp > 1 and per_rank % bk):
+        raise ShardError(f"FP8 experts: each rank's expert intermediate size is {per_rank} (moe_intermediate_size "
+                         f"{inter} / {moe_tp}), not a multiple of the {bn}x{bk} scale block; vLLM would load "
+                         f"these scales on a refined or padded grid, which ferry shard does not write: choose a "
+                         f"tensor-parallel size that leaves whole blocks, or expert parallelism")
+    if moe.gpu == "rocm":
+        raise ShardError("FP8 experts on ROCm: vLLM's AITER path converts and may pad FP8 MoE weights in ways "
+                         "ferry shard has not checked; cut for hopper/ampere/ada/blackwell")
+
+
+def check_dtypes(tensors: Mapping[str, str], quantized: set[str], scales: set[str],
+                 quant: BlockFp8 | None) -> None:
+    """Each tensor's dtype must be the one vLLM allocates for it: the
+    quantized weights F8_E4M3, their scales F32, nothing else FP8 (vLLM's
+    sharded_state loader would only warn and cast a mismatch)."""
+    problems = []
+    for name, dtype in tensors.items():
+        if name in quantized:
+            if dtype != WEIGHT_DTYPE:
+                problems.append(f"{name} is {dtype}, expected {WEIGHT_DTYPE} (quantized by config.json)")
+        elif name in scales:
+            if dtype != SCALE_DTYPE:
+                problems.append(f"{name} is {dtype}, expected {SCALE_DTYPE} (vLLM 0.32 keeps block scales in "
+                                f"float32; UE8M0 scales are not loaded as such)")
+        elif dtype in FP8_DTYPES:
+            problems.append(f"{name} is {dtype}, but " + (
+                "config.json has no quantization_config" if quant is None
+                else "config.json does not quantize it (ignored_layers / modules_to_not_convert)"))
+    if problems:
+        shown = "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
+        raise ShardError(f"checkpoint dtypes do not match its quantization: {shown}")
+
+
+def attention_scale_value(dtype: str) -> bytes:
+    """-1.0 as one element of `dtype`, the model dtype of the 0-d attention parameters."""
+    if dtype == "BF16":
+        return struct.pack("<f", ATTENTION_SCALE_UNSET)[2:]  # the high half of the float32
+    if dtype == "F16":
+        return struct.pack("<e", ATTENTION_SCALE_UNSET)
+    if dtype == "F32":
+        return struct.pack("<f", ATTENTION_SCALE_UNSET)
+    raise ShardError(f"the model dtype {dtype} is not one vLLM serves FP8 checkpoints in (BF16, F16, F32)")
