@@ -179,7 +179,8 @@ def check_dtypes(tensors: Mapping[str, str], quantized: set[str], scales: set[st
     for name, dtype in tensors.items():
         if name in quantized:
             if dtype != WEIGHT_DTYPE:
-                problems.append(f"{name} is {dtype}, expected {WEIGHT_DTYPE} (quantized by config.json)")
+                problems.append(f"{name} is {dtype}, expected {WEIGHT_DTYPE} (config.json quantizes it; a module "
+                                f"kept in {dtype} belongs in quantization_config.modules_to_not_convert)")
         elif name in scales:
             if dtype != SCALE_DTYPE:
                 problems.append(f"{name} is {dtype}, expected {SCALE_DTYPE} (vLLM 0.32 keeps block scales in "

@@ -182,8 +182,9 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
             fp8.check_moe_blocks(dims, tp, moe, quant)
     elif moe.expert_parallel:
         raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
-    skipped, tied_copies = _check_sources(family, dims, flags, tensors, layers)
+    skipped = _skipped_tensors(family, dims, tensors, layers)
     _check_quantized_dtypes(family, dims, flags, tensors, layers, skipped)
+    tied_copies = _check_sources(family, dims, flags, tensors, layers, skipped)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
     cutter = _Cutter(dims, tp, tensors, moe)
     files = []
@@ -336,23 +337,29 @@ def _model_param_sources(param: Param, dims: ModelDims) -> tuple[Source, ...]:
     return param.sources
 
 
-def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
-                   tensors: Mapping[str, TensorSpec], layers: "_Layers") -> tuple[dict[str, str], dict[str, str]]:
-    """Refuse a checkpoint with missing, misshapen or unexpected tensors.
-
-    Returns the tensors vLLM skips (name -> why) and the redundant copies of a
-    tied LM head (name -> the tensor vLLM uses instead), which the caller must
-    prove identical: vLLM releases disagree on which one they serve.
-    """
-    expected = expected_sources(family, dims, flags, layers)
+def _skipped_tensors(family: Family, dims: ModelDims, tensors: Mapping[str, TensorSpec],
+                     layers: "_Layers") -> dict[str, str]:
+    """The checkpoint tensors vLLM skips, name -> why."""
     skipped: dict[str, str] = {}
-    tied_copies: dict[str, str] = {}
     extra_layers = range(dims.layers, dims.layers + _extra_layers(family, layers.config))
     for name in tensors:
         if name.endswith(family.ignored_suffixes):
             skipped[name] = "non-persistent buffer that vLLM does not load"
         elif (m := LAYER_INDEX.match(name)) and int(m.group(1)) in extra_layers:
             skipped[name] = f"layer past num_hidden_layers ({family.extra_layers_key}), which vLLM's model skips"
+    return skipped
+
+
+def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool], tensors: Mapping[str, TensorSpec],
+                   layers: "_Layers", skipped: Mapping[str, str]) -> dict[str, str]:
+    """Refuse a checkpoint with missing, misshapen or unexpected tensors.
+
+    Returns the redundant copies of a tied LM head (name -> the tensor vLLM
+    uses instead), which the caller must prove identical: vLLM releases
+    disagree on which one they serve.
+    """
+    expected = expected_sources(family, dims, flags, layers)
+    tied_copies: dict[str, str] = {}
     if dims.tie_word_embeddings:
         for param in (*family.pre_layer_params, *family.post_layer_params):
             if param.tied_source and param.name in tensors:
@@ -372,7 +379,7 @@ def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
                         f"{_listing(extra)}")
     if problems:
         raise ShardError("checkpoint does not match config.json: " + "; ".join(problems))
-    return skipped, tied_copies
+    return tied_copies
 
 
 def _extra_layers(family: Family, config: dict) -> int:

@@ -73,6 +73,19 @@ def hf_files(checkpoint: Checkpoint) -> list[TensorFile]:
     return [TensorFile(tensor_file_names("hf", 1)[0], entries)]
 
 
+def refuse_quantized(config: dict) -> None:
+    """vLLM 0.32 deserializes a tensorized model with `dtype=` the model's dtype
+    (model_loader/tensorizer.py), so FP8 weights and their float32 scales would
+    come back cast, and it warns that tensorizer with quantization is unstable:
+    quantized checkpoints go to sharded_state (or runai_streamer) instead."""
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ArtifactError(f"config.json is quantized ({method!r}): vLLM's tensorizer loader casts every tensor "
+                            f"to the model dtype, so FP8 weights and scales would not load as stored; use the "
+                            f"sharded_state format (ferry shard) or runai_streamer for quantized checkpoints")
+
+
 def vllm_plan(checkpoint: Checkpoint, tp: int, vllm: VllmTarget, moe: MoeTarget = MoeTarget()) -> ShardPlan:
     """`ferry shard`'s plan of the rank tensors (one part per rank), or ArtifactError."""
     try:

@@ -27,7 +27,7 @@ from ..shard.source import Checkpoint, companion_files, open_checkpoint
 from . import artifact
 from .errors import ArtifactError, require_tensorizer
 from ..shard.experts import MoeTarget
-from .layouts import TensorFile, hf_files, vllm_files, vllm_plan
+from .layouts import TensorFile, hf_files, refuse_quantized, vllm_files, vllm_plan
 from .location import LocalLocation, Location, parse_location
 from .s3_client import S3Options
 from .store import StoredObject, open_store
@@ -64,6 +64,7 @@ class TensorizeJob:
             raise ArtifactError("the output directory must differ from the checkpoint directory")
         vllm = check_target(layout, tp, vllm_version)
         checkpoint = open_checkpoint(source)
+        refuse_quantized(checkpoint.config)
         if layout == "hf":
             if moe != MoeTarget():
                 raise ArtifactError("expert parallelism and --target shape the vllm layout only; the hf layout is "
