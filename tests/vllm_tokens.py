@@ -107,3 +107,15 @@ def assert_greedy_tokens_match(reference: dict, tokens: list[list[int]], candida
             f"{best_lp - runner_up_lp:.3f} nats over {runner_up}: not a numerical tie\n"
             f"TP 1: {ref_tokens}\n{candidate}: {got}")
     assert whole_matches >= 2, f"only {whole_matches} of {len(PROMPTS)} prompts matched entirely"
+
+
+def assert_workers_built_the_same_state(workers: list[dict], ranks: int = 2) -> None:
+    """Each worker's state from vLLM's default loader (`default`: key -> [shape,
+    dtype, sha256]) equals the one ShardedStateLoader built from Ferry's
+    artifact (`sharded`), key for key and byte for byte, on every rank."""
+    assert sorted(w["tp_rank"] for w in workers) == list(range(ranks))
+    for worker in workers:
+        default, sharded = worker["default"], worker["sharded"]
+        assert sorted(sharded) == sorted(default), worker["tp_rank"]
+        differing = [k for k in default if default[k] != sharded[k]]
+        assert not differing, f"tp {worker['tp_rank']}: differ from vLLM's own load: {differing}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .api.types import ConditionType, ModelWeightsStatus
 from .conditions import get_condition
 from .planner import PatchDeployment, RemoveArtifact, RetryStep, StartStep
+from .serving_diagnosis import WAITING_REASONS
 
 NORMAL, WARNING = "Normal", "Warning"
 
@@ -31,6 +32,19 @@ def _turned(before: ModelWeightsStatus | None, after: ModelWeightsStatus, kind: 
     # A new reason or message while still True is a new story (another step failed).
     return old is None or old.status != value or (value == "True" and kind == ConditionType.STALLED
                                                    and (old.reason, old.message) != (new.reason, new.message))
+
+
+def _serving_trouble(before: ModelWeightsStatus | None, after: ModelWeightsStatus) -> Event | None:
+    """A serving pod that waits on something (a pull the kubelet retries, the
+    scheduler): a Warning when that cause first shows (one that needs a human
+    stalls, and is posted as Stalled)."""
+    new = get_condition(after.conditions, ConditionType.RECONCILING)
+    if new is None or new.status != "True" or new.reason not in WAITING_REASONS:
+        return None
+    old = get_condition(before.conditions, ConditionType.RECONCILING) if before else None
+    if old is not None and old.status == "True" and old.reason == new.reason:
+        return None
+    return Event(WARNING, new.reason, new.message)
 
 
 def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
@@ -55,6 +69,9 @@ def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
     if _turned(before, after, ConditionType.STALLED, "True"):
         stalled = get_condition(after.conditions, ConditionType.STALLED)
         events.append(Event(WARNING, stalled.reason, stalled.message))
+    trouble = _serving_trouble(before, after)
+    if trouble is not None:
+        events.append(trouble)
     if _turned(before, after, ConditionType.READY, "True"):
         ready = get_condition(after.conditions, ConditionType.READY)
         events.append(Event(NORMAL, "Ready", ready.message))

@@ -19,6 +19,7 @@ from .conditions import get_condition, now, phase_of, set_condition
 from .serving import DeploymentFacts, ServingError, deployment_patch, loader_applies
 from .serving_loader import LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
+from .serving_diagnosis import WAITING_REASONS, PodTrouble
 from .weights_loaded import PodFacts, summarize
 
 
@@ -365,13 +366,31 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             waiting.append(loading)
     else:
         draft.conditions = [c for c in draft.conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
+    trouble = _serving_trouble(observed, facts, refs) if waiting else None
+    if trouble is not None and trouble.stalls and not actions:
+        return draft.stalled(trouble.reason, "; ".join([*waiting, trouble.message]), facts,
+                             ConditionType.SERVING_UPDATED)
     draft.clear_stalled()
     if waiting:
         reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
         if loading_only:
             reason = "WeightsLoading"
+        if trouble is not None:
+            waiting.append(trouble.message)
+            reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
         return draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
     return _ready(mw, facts, draft, keep_previous)
+
+
+def _serving_trouble(observed: Observed, facts: Artifact, refs: list) -> PodTrouble | None:
+    """What keeps a pod of the current template of a wired Deployment from
+    serving (serving_diagnosis.py): the first one that needs a human, else the
+    first one waiting, by pod name. Old ReplicaSets' pods are on their way out."""
+    digest = facts.manifest_digest or facts.uri
+    names = {r.name for r in refs}
+    troubles = [p.trouble for p in sorted(observed.pods, key=lambda p: p.name)
+                if p.trouble is not None and p.digest == digest and p.deployment in names and not p.terminating]
+    return next((t for t in troubles if t.stalls), troubles[0] if troubles else None)
 
 
 def _loaded(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,

@@ -268,7 +268,10 @@ def deployment_patch(
     if (new_command == command and new_args == args and ferry_set == served and loader_current
             and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
         return None
-    c: dict[str, Any] = {"name": name, "args": new_args}
+    # A container that fails leaves the tail of its log (vLLM's own error line)
+    # as its termination message, which the operator quotes (serving_diagnosis.py).
+    # Not part of what makes a template current: set whenever Ferry rewires.
+    c: dict[str, Any] = {"name": name, "args": new_args, "terminationMessagePolicy": "FallbackToLogsOnError"}
     if new_command != command:
         c["command"] = new_command
     pod: dict[str, Any] = {"containers": [c]}

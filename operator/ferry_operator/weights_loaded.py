@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from .serving import DIGEST_ANNOTATION, OWNER_ANNOTATION
+from .serving_diagnosis import PodTrouble, deployment_of, pod_trouble
 from .serving_loader import GATE, LOADER_CONTAINER
 
 
@@ -30,6 +31,8 @@ class PodFacts:
     load_seconds: float | None = None
     terminating: bool = False
     loader_waiting: str = ""  # the init container's waiting reason (CrashLoopBackOff, ImagePullBackOff)
+    deployment: str = ""  # the Deployment that made it
+    trouble: PodTrouble | None = None  # what keeps it from serving (serving_diagnosis.py)
 
 
 def _time(text: str | None) -> datetime | None:
@@ -56,6 +59,7 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         gate=gate.get("status") if gate else None, reason=(gate or {}).get("reason", ""),
         message=(gate or {}).get("message", ""), load_seconds=seconds,
         terminating=bool(meta.get("deletionTimestamp")), loader_waiting=waiting,
+        deployment=deployment_of(body), trouble=pod_trouble(body),
     )
 
 

@@ -36,6 +36,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
+from ..kubelet_words import MAX_LINE, MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, last_line
 from ..planner import MAX_PROGRESS_REPORT_BYTES, StepPhase, StepState
 from .jobs import LABEL_MW, LABEL_STEP, WORKER_CONTAINER, MalformedResult, StepResult, parse_result
 from .redact import redact
@@ -84,16 +85,7 @@ SECRET_FIELD = "spec.source.credentialsSecretRef"
 IMAGE_VALUES = "the chart's worker.image value (default: image.repository:image.tag)"
 NODE_VALUES = "the chart's worker.nodeSelector, worker.tolerations and worker.resources values"
 DEADLINE_VALUE = "the chart's worker.activeDeadlineSeconds value (FERRY_WORKER_ACTIVE_DEADLINE_SECONDS)"
-MAX_LINE = 500
-
-# The registry answered: no such image or tag, or no access to it. Retrying will not change that.
-_REGISTRY_REFUSED = re.compile(
-    r"code = NotFound|: not found|manifest unknown|name unknown|repository does not exist|pull access denied|"
-    r"unauthorized|authentication required|authorization failed|insufficient_scope|\bdenied\b|403 Forbidden",
-    re.IGNORECASE,
-)
 _UNBOUND = "pod has unbound immediate PersistentVolumeClaims"  # the scheduler's VolumeBinding plugin
-_NOT_FOUND = re.compile(r'^(secret|configmap) "([^"]+)" not found$')
 _RBAC_DENIED = re.compile(
     r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]+)" in API group "(?P<group>[^"]*)"'
     r'(?: in the namespace "(?P<namespace>[^"]+)"| at the cluster scope)'
@@ -126,13 +118,6 @@ def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
 def _true(obj: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
     c = _conditions(obj).get(type_)
     return c if c is not None and c.get("status") == "True" else None
-
-
-def _last_line(text: str | None) -> str:
-    """The last line of a message, redacted before it is cut (a cut key would escape its pattern)."""
-    lines = [line.strip() for line in redact(text or "").splitlines() if line.strip()]
-    line = lines[-1] if lines else ""
-    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 
 def _pod_template(job: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -346,7 +331,7 @@ def _pod_failure(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
     ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
     status = _status(pod)
     if status.get("reason"):  # Evicted, DeadlineExceeded, NodeLost, ...: the node or the control plane ended it
-        return f"pod {ns}/{name} {status['reason']}: {_last_line(status.get('message')) or 'no message'}"
+        return f"pod {ns}/{name} {status['reason']}: {last_line(status.get('message')) or 'no message'}"
     cs = _worker_status(pod) or {}
     term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
     disrupted = _true(pod, "DisruptionTarget")
@@ -357,7 +342,7 @@ def _pod_failure(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
             return (f"the worker ran out of memory (OOMKilled, exit code {code}): raise the chart's "
                     "worker.resources.limits.memory")
         if disrupted is not None:
-            return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {_last_line(disrupted.get('message'))})"
+            return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {last_line(disrupted.get('message'))})"
         if why in ("StartError", "ContainerCannotRun"):  # the runtime could not start the command
             return (f"the worker container could not start ({why}, exit code {code}): {line or 'no message'}; "
                     f"check {IMAGE_VALUES}")
@@ -365,8 +350,8 @@ def _pod_failure(job: Mapping[str, Any], pod: Mapping[str, Any]) -> str:
             return f"{line} (exit code {code})"
         return f"the worker exited with code {code}" + (f" ({why})" if why else "")
     if disrupted is not None:
-        return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {_last_line(disrupted.get('message'))})"
-    return f"pod {ns}/{name} failed: {_last_line(status.get('message')) or 'no message'}"
+        return f"pod {ns}/{name} was disrupted ({disrupted.get('reason')}: {last_line(disrupted.get('message'))})"
+    return f"pod {ns}/{name} failed: {last_line(status.get('message')) or 'no message'}"
 
 
 def _worker_words(job: Mapping[str, Any], message: str | None) -> str:
@@ -378,7 +363,7 @@ def _worker_words(job: Mapping[str, Any], message: str | None) -> str:
         # The planner says "<step> failed: " already.
         line = " ".join(text[len(step) + len(" failed: "):].split())
         return line if len(line) <= 2 * MAX_LINE else line[: 2 * MAX_LINE - 3] + "..."
-    return _last_line(text)
+    return last_line(text)
 
 
 def _image_of(pod: Mapping[str, Any], container: str, status: Mapping[str, Any]) -> str:
@@ -406,32 +391,31 @@ def _container_problem(job: Mapping[str, Any], pod: Mapping[str, Any], now: date
         if why == "InvalidImageName":
             return StepState(StepPhase.FAILED, reason=INVALID_IMAGE_NAME, message=(
                 f'image "{image}" is not a valid image reference: fix {IMAGE_VALUES} (kubelet: {text})'))
-        if why in ("ErrImagePull", "ImagePullBackOff", "RegistryUnavailable", "SignatureValidationFailed",
-                   "ImageInspectError"):
+        if why in PULL_RETRIED:
             tried = _since(st.get("startTime") or _meta(pod).get("creationTimestamp"), now)
-            if why == "SignatureValidationFailed" or _REGISTRY_REFUSED.search(text):
+            if why == "SignatureValidationFailed" or REGISTRY_REFUSED.search(text):
                 return StepState(StepPhase.FAILED, reason=IMAGE_NOT_FOUND, message=(
                     f'image "{image}" cannot be pulled on node {node}: check {IMAGE_VALUES} '
-                    f"(kubelet: {_last_line(text)})"))
+                    f"(kubelet: {last_line(text)})"))
             if tried >= IMAGE_PULL_GRACE:
                 return StepState(StepPhase.FAILED, reason=IMAGE_PULL_FAILED, message=(
                     f'image "{image}" could not be pulled on node {node} for {int(tried.total_seconds())}s: '
-                    f"check {IMAGE_VALUES} and the node's access to the registry (kubelet: {_last_line(text)})"))
+                    f"check {IMAGE_VALUES} and the node's access to the registry (kubelet: {last_line(text)})"))
             return StepState(StepPhase.RUNNING, reason=IMAGE_PULL_BACK_OFF, message=(
-                f'pulling image "{image}" on node {node} failed, the kubelet retries: {_last_line(text)}'))
+                f'pulling image "{image}" on node {node} failed, the kubelet retries: {last_line(text)}'))
         if why in ("CreateContainerError", "PreCreateHookError", "PreStartHookError", "RunContainerError"):
             return StepState(StepPhase.RUNNING, reason=CONTAINER_CREATING, message=(
-                f"pod {ns}/{name} cannot create its container yet, the kubelet retries: {_last_line(text)}"))
+                f"pod {ns}/{name} cannot create its container yet, the kubelet retries: {last_line(text)}"))
     return None
 
 
 def _config_error(job: Mapping[str, Any], pod: Mapping[str, Any], text: str) -> StepState:
     ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
-    found = _NOT_FOUND.match(text)
+    found = MISSING_REFERENCE.match(text)
     if found is None:
         # e.g. "failed to sync secret cache: timed out waiting for the condition": the kubelet retries.
         return StepState(StepPhase.RUNNING, reason=CONTAINER_CONFIG_ERROR, message=(
-            f"pod {ns}/{name} cannot configure its container yet, the kubelet retries: {_last_line(text)}"))
+            f"pod {ns}/{name} cannot configure its container yet, the kubelet retries: {last_line(text)}"))
     kind, missing = found.groups()
     if kind == "configmap":
         return StepState(StepPhase.FAILED, reason=CONTAINER_CONFIG_ERROR, message=(
@@ -495,7 +479,7 @@ def _unscheduled(pod: Mapping[str, Any]) -> StepState | None:
         return None
     ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
     return StepState(StepPhase.RUNNING, reason=cond.get("reason") or UNSCHEDULABLE, message=(
-        f"pod {ns}/{name} cannot be scheduled: {_last_line(cond.get('message')) or cond.get('reason')} "
+        f"pod {ns}/{name} cannot be scheduled: {last_line(cond.get('message')) or cond.get('reason')} "
         f"(check {NODE_VALUES})"))
 
 

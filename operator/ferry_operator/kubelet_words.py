@@ -1,0 +1,29 @@
+"""What the kubelet, the scheduler and registries say about a pod, and how to
+quote it in a condition: pure patterns shared by the prepare Jobs' diagnosis
+(executors/diagnosis.py) and the serving pods' (serving_diagnosis.py)."""
+from __future__ import annotations
+
+import re
+
+from .executors.redact import redact
+
+MAX_LINE = 500
+
+# The registry answered: no such image or tag, or no access to it. Retrying will not change that.
+REGISTRY_REFUSED = re.compile(
+    r"code = NotFound|: not found|manifest unknown|name unknown|repository does not exist|pull access denied|"
+    r"unauthorized|authentication required|authorization failed|insufficient_scope|\bdenied\b|403 Forbidden",
+    re.IGNORECASE,
+)
+# CreateContainerConfigError's message for a reference that does not exist.
+MISSING_REFERENCE = re.compile(r'^(secret|configmap) "([^"]+)" not found$')
+# The kubelet's waiting reasons of a failed image pull that it retries.
+PULL_RETRIED = ("ErrImagePull", "ImagePullBackOff", "RegistryUnavailable", "SignatureValidationFailed",
+                "ImageInspectError")
+
+
+def last_line(text: str | None) -> str:
+    """The last line of a message, redacted before it is cut (a cut key would escape its pattern)."""
+    lines = [line.strip() for line in redact(text or "").splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
