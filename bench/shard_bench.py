@@ -1,7 +1,7 @@
 """Benchmark `ferry shard` against `cp -r` of the same checkpoint, in one run.
 
     .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3] [--baseline CMD]
-                                          [--model mixtral [--expert-parallel]]
+                                          [--model mixtral [--expert-parallel]] [--fp8]
 
 Generates a Llama-3-8B-shaped checkpoint (hidden 4096, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256, bf16; `--layers` decoder layers: 8 gives
@@ -13,14 +13,16 @@ peak RSS (GNU time), and the bytes each rank reads to load: its
 rank files versus the whole checkpoint vLLM's default loader reads on every
 rank. `--layers 5` gives 4.28 GB (4 GiB). `--baseline` times a second ferry
 command (e.g. another checkout) in the same alternation, so that two releases
-are compared under the same disk and load. Everything it writes is removed at
-the end.
+are compared under the same disk and load. `--fp8` writes the checkpoint as an
+FP8 block-scaled release (DeepSeek-V3's layout: every decoder linear weight
+F8_E4M3 with a float32 `weight_scale_inv` per 128 x 128 block, the rest bf16),
+so that the block-unit scale cuts are timed too. Everything it writes is
+removed at the end.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -37,6 +39,7 @@ HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB = 4096, 32, 8, 14336, 128256
 HEAD_DIM = HIDDEN // HEADS
 FILE_LIMIT = 2 << 30  # Hub checkpoints are split in files of a few GB
 POOL_BYTES = 64 << 20  # random bytes, written over and over: content does not matter here
+FP8_BLOCK = 128
 GNU_TIME = "/usr/bin/time"  # Debian package `time`
 
 
@@ -94,28 +97,46 @@ def mixtral_shapes(layers: int) -> dict[str, list[int]]:
 MODELS = {"llama": (llama_config, tensor_shapes), "mixtral": (mixtral_config, mixtral_shapes)}
 
 
-def write_checkpoint(directory: Path, layers: int, model: str = "llama") -> int:
-    """A bf16 checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
+def fp8_tensors(shapes: dict[str, list[int]]) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) of an FP8 block-scaled release: decoder linear weights (not routers) F8_E4M3
+    plus their float32 block scales; embeddings, norms and the LM head bf16."""
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for name, shape in shapes.items():
+        if name.startswith("model.layers.") and len(shape) == 2 and not name.endswith(".gate.weight"):
+            tensors[name] = ("F8_E4M3", shape)
+            tensors[name + "_scale_inv"] = ("F32", [-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)])
+        else:
+            tensors[name] = ("BF16", shape)
+    return tensors
+
+
+def write_checkpoint(directory: Path, layers: int, model: str = "llama", fp8: bool = False) -> int:
+    """A checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
     from ferry_worker.shard.tensors import HeaderEntry, encode_header
 
     config, shapes = MODELS[model]
+    tensors = fp8_tensors(shapes(layers)) if fp8 else {n: ("BF16", s) for n, s in shapes(layers).items()}
     directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config(layers), indent=2))
+    settings = config(layers)
+    if fp8:
+        settings["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    (directory / "config.json").write_text(json.dumps(settings, indent=2))
     (directory / "generation_config.json").write_text('{"bos_token_id": 128000, "eos_token_id": 128001}')
-    groups: list[list[tuple[str, list[int]]]] = [[]]
+    groups: list[list[tuple[str, str, list[int]]]] = [[]]
     size = 0
-    for name, shape in shapes(layers).items():
-        nbytes = 2 * math.prod(shape)
+    for name, (dtype, shape) in tensors.items():
+        nbytes = HeaderEntry(name, dtype, tuple(shape)).nbytes
         if groups[-1] and size + nbytes > FILE_LIMIT:
             groups.append([])
             size = 0
-        groups[-1].append((name, shape))
+        groups[-1].append((name, dtype, shape))
         size += nbytes
     pool = memoryview(os.urandom(POOL_BYTES))
     weight_map, total = {}, 0
     for n, group in enumerate(groups):
         file_name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
-        entries = [HeaderEntry(name, "BF16", tuple(shape)) for name, shape in group]
+        entries = [HeaderEntry(name, dtype, tuple(shape)) for name, dtype, shape in group]
         with open(directory / file_name, "wb") as f:
             f.write(encode_header(entries))
             for entry in entries:
@@ -124,7 +145,7 @@ def write_checkpoint(directory: Path, layers: int, model: str = "llama") -> int:
                     chunk = pool[:min(left, POOL_BYTES)]
                     f.write(chunk)
                     left -= len(chunk)
-        weight_map |= {name: file_name for name, _ in group}
+        weight_map |= {name: file_name for name, _, _ in group}
         total += (directory / file_name).stat().st_size
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
@@ -154,6 +175,7 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama",
                     help="llama: Llama-3-8B-shaped; mixtral: Mixtral-8x7B-shaped with smaller experts")
     ap.add_argument("--expert-parallel", action="store_true", help="mixtral: cut whole experts per rank")
+    ap.add_argument("--fp8", action="store_true", help="an FP8 block-scaled checkpoint (128 x 128 blocks)")
     ap.add_argument("--ferry", default=f"{sys.executable} -m ferry_worker.cli",
                     help="the ferry command to time (default: %(default)s)")
     ap.add_argument("--baseline", help="another ferry command, timed in the same runs (e.g. 'env "
@@ -165,7 +187,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ferry-shard-bench-", dir=args.workdir))
     try:
         source = root / "checkpoint"
-        checkpoint_bytes = write_checkpoint(source, args.layers, args.model)
+        checkpoint_bytes = write_checkpoint(source, args.layers, args.model, args.fp8)
         if shutil.disk_usage(root).free < 2.5 * checkpoint_bytes:
             raise SystemExit(f"{root}: needs {2.5 * checkpoint_bytes / 1e9:.1f} GB free for the copies")
         ferries = {"ferry shard": args.ferry} | ({"ferry shard (baseline)": args.baseline} if args.baseline else {})
@@ -189,7 +211,7 @@ def main() -> int:
                 shutil.rmtree(target)
         median = {label: statistics.median(values) for label, values in times.items()}
         report = {
-            "checkpoint": {"model": args.model, "layers": args.layers, "bytes": checkpoint_bytes,
+            "checkpoint": {"model": args.model, "layers": args.layers, "fp8": args.fp8, "bytes": checkpoint_bytes,
                            "files": len(list(source.glob("*.safetensors")))},
             "tensorParallelSize": args.tp,
             "expertParallel": args.expert_parallel,
