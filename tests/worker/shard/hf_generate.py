@@ -3,7 +3,9 @@
     python hf_generate.py OUT_DIR CASE
     CASE = a family name below (e.g. "mixtral"), or a JSON object
            {"model_type": "mixtral", "config": {...}, "dtype": "bfloat16", "seed": 0}
-           where a "family" key starts from that family's config and "config" overrides it.
+           where a "family" key starts from that family's config and "config" overrides it;
+           "fp8": {"block": [128, 128], "not_converted": [...], "routers": false} quantizes the
+           saved checkpoint as an FP8 block-scaled release (quantize_fp8).
 
 Builds a tiny random model with transformers' own modelling code
 (`AutoConfig.for_model` / `AutoModelForCausalLM.from_config`) and writes it with
@@ -184,6 +186,8 @@ def quantize_fp8(out_dir: Path, block: list[int], not_converted: list[str] = (),
     from safetensors.torch import load_file, save_file
 
     bn, bk = block
+    if (out_dir / "model.safetensors.index.json").exists():
+        raise SystemExit("quantize_fp8 writes scales into the files themselves: keep the model to one file")
     for path in sorted(out_dir.glob("*.safetensors")):
         tensors = load_file(path)
         out = {}
