@@ -1,0 +1,209 @@
+"""The node cache's store (issue 17, first step): one verified copy per
+manifest digest, never visible half-filled, resumable after a SIGKILL landed
+between two files, shared by concurrent fills, LRU eviction between
+watermarks that spares mounted and pinned entries, and a corrupt entry
+refused and refilled. Artifacts are real `ferry shard` output."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from checkpoints import LLAMA3, write_checkpoint
+from ferry_worker.cache.store import CacheError, CacheFull, CacheStore, Watermarks, cache_key
+from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, manifest_digest, read_manifest
+from ferry_worker.shard.job import ShardJob
+
+BIG = Watermarks(high=1 << 40, low=1 << 39)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    """Three TP 2 artifacts of different checkpoints (seeds), as they sit on a claim."""
+    root = tmp_path_factory.mktemp("claim")
+    out = {}
+    for seed in range(3):
+        checkpoint = root / f"ckpt-{seed}"
+        write_checkpoint(checkpoint, LLAMA3, seed=seed)
+        ShardJob.prepare(checkpoint, root / f"artifact-{seed}", tp=2).run()
+        out[f"a{seed}"] = root / f"artifact-{seed}"
+    return out
+
+
+def digest(artifact: Path) -> str:
+    return manifest_digest(artifact)
+
+
+def counted() -> tuple[list[int], callable]:
+    seen = [0]
+
+    def on_bytes(n: int) -> None:
+        seen[0] += n
+    return seen, on_bytes
+
+
+def test_a_fill_is_verified_read_only_and_done_once(tmp_path, artifacts):
+    store = CacheStore(tmp_path / "cache", BIG)
+    source = artifacts["a0"]
+    first, on_bytes = counted()
+    entry = store.fill(source, digest(source), on_bytes=on_bytes)
+    manifest = read_manifest(source)
+    assert first[0] == sum(e.size for e in manifest.files)
+    assert manifest_digest(entry) == digest(source)  # `ferry load --expected-digest` works on the entry itself
+    assert all((entry / e.path).read_bytes() == (source / e.path).read_bytes() for e in manifest.files)
+    assert all(not os.access(entry / e.path, os.W_OK) or os.geteuid() == 0 for e in manifest.files)
+    assert all(((entry / e.path).stat().st_mode & 0o222) == 0 for e in manifest.files)
+    again, on_bytes = counted()
+    assert store.fill(source, digest(source), on_bytes=on_bytes) == entry
+    assert again[0] == 0  # the source is not read a second time
+
+
+def test_a_rank_subset_holds_only_its_rank_files(tmp_path, artifacts):
+    store = CacheStore(tmp_path / "cache", BIG)
+    source = artifacts["a0"]
+    entry = store.fill(source, digest(source), ranks=[1])
+    names = {p.name for p in entry.iterdir()}
+    assert "model-rank-1-part-0.safetensors" in names and "model-rank-0-part-0.safetensors" not in names
+    assert "config.json" in names and MANIFEST_NAME in names
+    store.check(cache_key(digest(source), [1]))  # the subset verifies as a subset
+
+
+def test_concurrent_fills_of_one_artifact_read_the_source_once(tmp_path, artifacts):
+    store = CacheStore(tmp_path / "cache", BIG)
+    source = artifacts["a1"]
+    total, on_bytes = counted()
+    lock = threading.Lock()
+
+    def locked(n: int) -> None:
+        with lock:
+            on_bytes(n)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(store.fill(source, digest(source), on_bytes=locked)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1
+    assert total[0] == sum(e.size for e in read_manifest(source).files)
+
+
+KILLED_FILL = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {worker!r})
+from ferry_worker.cache.store import CacheStore, Watermarks
+store = CacheStore(Path({root!r}), Watermarks(1 << 40, 1 << 39))
+def after_file(name):
+    Path({marker!r}).write_text(name)
+    time.sleep(600)  # held here, one file verified in place, until the test kills us
+store.fill(Path({source!r}), {digest!r}, after_file=after_file)
+"""
+
+
+def test_sigkill_mid_fill_leaves_nothing_mountable_and_the_next_fill_resumes(tmp_path, artifacts):
+    source, root, marker = artifacts["a2"], tmp_path / "cache", tmp_path / "first-file-done"
+    worker = str(Path(__file__).resolve().parents[2] / "worker_image")
+    script = KILLED_FILL.format(worker=worker, root=str(root), marker=str(marker), source=str(source),
+                                digest=digest(source))
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(600):
+            if marker.exists() or proc.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert marker.exists(), f"the fill never reached its first file (exit {proc.poll()})"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # the fault landed where we held it
+    store = CacheStore(root, BIG)
+    key = cache_key(digest(source))
+    assert store.entry(key) is None  # half-filled: not an entry
+    done = marker.read_text()
+    assert (root / "filling" / key / done).exists()
+    resumed, on_bytes = counted()
+    entry = store.fill(source, digest(source), on_bytes=on_bytes)
+    sizes = {e.path: e.size for e in read_manifest(source).files}
+    assert resumed[0] == sum(sizes.values()) - sizes[done]  # the verified file was not fetched again
+    store.check(key)
+    assert manifest_digest(entry) == digest(source)
+
+
+def test_a_corrupt_source_never_becomes_an_entry(tmp_path, artifacts):
+    source = tmp_path / "bad"
+    import shutil
+    shutil.copytree(artifacts["a0"], source)
+    victim = source / "model-rank-1-part-0.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    store = CacheStore(tmp_path / "cache", BIG)
+    with pytest.raises(IntegrityError, match="model-rank-1-part-0.safetensors"):
+        store.fill(source, digest(source))
+    assert store.entry(cache_key(digest(source))) is None
+    with pytest.raises(CacheError, match="not .*the artifact changed"):
+        store.fill(source, "sha256:" + "0" * 64)
+
+
+def test_a_corrupt_entry_is_refused_removed_and_refilled(tmp_path, artifacts):
+    store = CacheStore(tmp_path / "cache", BIG)
+    source = artifacts["a0"]
+    key = cache_key(digest(source))
+    entry = store.fill(source, digest(source))
+    victim = entry / "model-rank-0-part-0.safetensors"
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="model-rank-0-part-0.safetensors"):
+        store.check(key)
+    assert store.entry(key) is None
+    refilled, on_bytes = counted()
+    store.fill(source, digest(source), on_bytes=on_bytes)
+    store.check(key)
+    assert refilled[0] > 0
+
+
+def test_eviction_is_lru_between_watermarks_and_spares_mounted_and_pinned(tmp_path, artifacts):
+    size = sum(e.size for e in read_manifest(artifacts["a0"]).files)
+    clock = [1000.0]
+    store = CacheStore(tmp_path / "cache", Watermarks(high=int(2.5 * size), low=int(1.2 * size)),
+                       clock=lambda: clock[0])
+    keys = {}
+    for name in ("a0", "a1"):
+        clock[0] += 1
+        store.fill(artifacts[name], digest(artifacts[name]))
+        keys[name] = cache_key(digest(artifacts[name]))
+    clock[0] += 1
+    store.acquire(keys["a0"], "pod-uid-1")  # a0 is mounted, and now the more recently used
+    # a2 does not fit beside a0 and a1: a1 (least recently used of the unmounted) goes, a0 stays.
+    store.fill(artifacts["a2"], digest(artifacts["a2"]))
+    assert store.entry(keys["a1"]) is None and store.entry(keys["a0"]) is not None
+    keys["a2"] = cache_key(digest(artifacts["a2"]))
+    assert store.usage() <= int(2.5 * size)
+    # With a0 mounted and a2 pinned, nothing can make room for a1: refused, with the reason.
+    store.pin(keys["a2"])
+    with pytest.raises(CacheFull, match="cannot evict 2 entries that are mounted or pinned"):
+        store.fill(artifacts["a1"], digest(artifacts["a1"]))
+    assert store.entry(keys["a1"]) is None
+    # Released and unpinned, a0 is evictable again.
+    store.release(keys["a0"], "pod-uid-1")
+    store.pin(keys["a2"], False)
+    store.fill(artifacts["a1"], digest(artifacts["a1"]))
+    assert store.entry(keys["a1"]) is not None and store.entry(keys["a0"]) is None
+
+
+def test_bad_keys_and_holders_are_refused(tmp_path):
+    with pytest.raises(CacheError, match="not a manifest digest"):
+        cache_key("sha256:../../etc")
+    store = CacheStore(tmp_path / "cache", BIG)
+    with pytest.raises(CacheError, match="fill it first"):
+        store.acquire(cache_key("sha256:" + "a" * 64), "pod")
+    with pytest.raises(ValueError, match="low <= high"):
+        Watermarks(high=1, low=2)
