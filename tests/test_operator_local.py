@@ -197,3 +197,33 @@ def test_deletion_policy(crd, namespace, operator, tmp_path, policy, kept):
         assert (artifact / "ferry-manifest.json").exists()
     else:
         wait_for(lambda: not artifact.exists(), "the artifact to be removed", timeout=30)
+
+
+def test_fp8_block_scaled_checkpoint_is_sharded_and_a_cut_of_partial_blocks_stalls_at_once(crd, namespace, operator,
+                                                                                             tmp_path):
+    """An FP8 release (DeepSeek-V3's layout) through the operator's sharded_state format; a TP size that
+    would leave a rank partial scale blocks stalls with the worker's reason, without retries."""
+    from checkpoints import LLAMA3, ModelCase, fp8_block_config, write_checkpoint
+
+    fine = ModelCase("fp8", fp8_block_config(LLAMA3.config, [16, 16]), "BF16")
+    write_checkpoint(tmp_path / "fp8", fine)
+    fmt = {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}
+    crd.apply(modelweights("fp8", namespace, f"file://{tmp_path / 'fp8'}", format=fmt))
+    wait_condition(crd, namespace, "fp8", "Ready")
+    status = crd.get_json("mw", "fp8", "-n", namespace)["status"]
+    artifact = Path(status["artifact"]["uri"].removeprefix("file://"))
+    manifest = json.loads((artifact / "ferry-manifest.json").read_bytes())
+    assert manifest["extra"]["quantization"]["weightBlockSize"] == [16, 16]
+    header = (artifact / "model-rank-1-part-0.safetensors").read_bytes()
+    assert b'"model.layers.0.mlp.down_proj.weight_scale_inv"' in header and b'"F8_E4M3"' in header
+
+    # 128-row blocks: 8 heads x 16 / 2 = 64 query rows per rank are not whole blocks.
+    coarse = ModelCase("fp8-128", fp8_block_config(LLAMA3.config, [128, 128]), "BF16")
+    write_checkpoint(tmp_path / "fp8-128", coarse)
+    started = time.monotonic()
+    crd.apply(modelweights("fp8-128", namespace, f"file://{tmp_path / 'fp8-128'}", format=fmt))
+    wait_condition(crd, namespace, "fp8-128", "Stalled")
+    stalled = {c["type"]: c for c in crd.get_json("mw", "fp8-128", "-n", namespace)["status"]["conditions"]}["Stalled"]
+    assert "not whole 128-wide FP8 scale blocks" in stalled["message"], stalled
+    assert "self_attn.q_proj" in stalled["message"] and "after" not in stalled["message"], stalled  # no retries
+    assert time.monotonic() - started < 60  # a refusal of the input is not retried with back-off
