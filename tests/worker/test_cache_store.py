@@ -207,3 +207,22 @@ def test_bad_keys_and_holders_are_refused(tmp_path):
         store.acquire(cache_key("sha256:" + "a" * 64), "pod")
     with pytest.raises(ValueError, match="low <= high"):
         Watermarks(high=1, low=2)
+
+
+def test_the_cache_command_fills_lists_and_checks(tmp_path, artifacts, capsys):
+    from ferry_worker.cli import main
+
+    source, root = artifacts["a1"], tmp_path / "cache"
+    assert main(["cache", "--root", str(root), "fill", "--source", str(source), "--digest", digest(source),
+                 "--ranks", "0"]) == 0
+    entry = Path(capsys.readouterr().out.strip())
+    assert (entry / "model-rank-0-part-0.safetensors").exists()
+    assert main(["cache", "--root", str(root), "pin", "--digest", digest(source), "--ranks", "0"]) == 0
+    assert main(["cache", "--root", str(root), "list"]) == 0
+    import json
+    listing = json.loads(capsys.readouterr().out)
+    (meta,) = listing["entries"].values()
+    assert meta["pinned"] is True and meta["holders"] == [] and listing["usage"] == meta["bytes"]
+    assert main(["cache", "--root", str(root), "check", "--digest", digest(source), "--ranks", "0"]) == 0
+    # A digest the cache does not hold: one clear line, exit 1.
+    assert main(["cache", "--root", str(root), "check", "--digest", "sha256:" + "b" * 64]) == 1

@@ -78,6 +78,11 @@ class CacheStore:
         path = self.root / "entries" / key
         return path if path.is_dir() else None
 
+    def listing(self) -> dict:
+        """Every entry with its bytes, last use, pin and holders, and the totals against the watermarks."""
+        entries = {k: {**self._meta(k), "holders": self.holders(k)} for k in self._keys()}
+        return {"entries": entries, "usage": self.usage(), "high": self.marks.high, "low": self.marks.low}
+
     def usage(self) -> int:
         """Bytes of the complete entries and of the fills under way."""
         done = sum(self._meta(k).get("bytes", 0) for k in self._keys())
