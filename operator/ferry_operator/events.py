@@ -34,7 +34,7 @@ def _turned(before: ModelWeightsStatus | None, after: ModelWeightsStatus, kind: 
                                                    and (old.reason, old.message) != (new.reason, new.message))
 
 
-def _serving_trouble(before: ModelWeightsStatus | None, after: ModelWeightsStatus) -> Event | None:
+def _serving_pod_waits(before: ModelWeightsStatus | None, after: ModelWeightsStatus) -> Event | None:
     """A serving pod that waits on something (a pull the kubelet retries, the
     scheduler): a Warning when that cause first shows (one that needs a human
     stalls, and is posted as Stalled)."""
@@ -69,7 +69,7 @@ def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
     if _turned(before, after, ConditionType.STALLED, "True"):
         stalled = get_condition(after.conditions, ConditionType.STALLED)
         events.append(Event(WARNING, stalled.reason, stalled.message))
-    trouble = _serving_trouble(before, after)
+    trouble = _serving_pod_waits(before, after)
     if trouble is not None:
         events.append(trouble)
     if _turned(before, after, ConditionType.READY, "True"):

@@ -5,12 +5,15 @@ watermarks that spares mounted and pinned entries, and a corrupt entry
 refused and refilled. Artifacts are real `ferry shard` output."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -39,7 +42,7 @@ def digest(artifact: Path) -> str:
     return manifest_digest(artifact)
 
 
-def counted() -> tuple[list[int], callable]:
+def counted() -> tuple[list[int], Callable[[int], None]]:
     seen = [0]
 
     def on_bytes(n: int) -> None:
@@ -56,7 +59,6 @@ def test_a_fill_is_verified_read_only_and_done_once(tmp_path, artifacts):
     assert first[0] == sum(e.size for e in manifest.files)
     assert manifest_digest(entry) == digest(source)  # `ferry load --expected-digest` works on the entry itself
     assert all((entry / e.path).read_bytes() == (source / e.path).read_bytes() for e in manifest.files)
-    assert all(not os.access(entry / e.path, os.W_OK) or os.geteuid() == 0 for e in manifest.files)
     assert all(((entry / e.path).stat().st_mode & 0o222) == 0 for e in manifest.files)
     again, on_bytes = counted()
     assert store.fill(source, digest(source), on_bytes=on_bytes) == entry
@@ -137,7 +139,6 @@ def test_sigkill_mid_fill_leaves_nothing_mountable_and_the_next_fill_resumes(tmp
 
 def test_a_corrupt_source_never_becomes_an_entry(tmp_path, artifacts):
     source = tmp_path / "bad"
-    import shutil
     shutil.copytree(artifacts["a0"], source)
     victim = source / "model-rank-1-part-0.safetensors"
     data = bytearray(victim.read_bytes())
@@ -219,7 +220,6 @@ def test_the_cache_command_fills_lists_and_checks(tmp_path, artifacts, capsys):
     assert (entry / "model-rank-0-part-0.safetensors").exists()
     assert main(["cache", "--root", str(root), "pin", "--digest", digest(source), "--ranks", "0"]) == 0
     assert main(["cache", "--root", str(root), "list"]) == 0
-    import json
     listing = json.loads(capsys.readouterr().out)
     (meta,) = listing["entries"].values()
     assert meta["pinned"] is True and meta["holders"] == [] and listing["usage"] == meta["bytes"]

@@ -108,7 +108,10 @@ class CacheStore:
             have = self._resumable(staging, wanted)
             missing = [e for e in wanted if e.path not in have]
             self._make_room(sum(e.size for e in missing), key)
-            for e in missing:  # one file at a time, so a kill leaves whole verified files behind
+            # Each file lands under its name only once verified (atomic_file), so a kill leaves whole
+            # files behind; one file per call (its segments still read in parallel) so that
+            # `after_file` can hold the fill between two of them.
+            for e in missing:
                 read_files(source, [e], ReadOptions(), on_bytes, copy_to=staging)
                 after_file(e.path)
             shutil.copyfile(source / MANIFEST_NAME, staging / MANIFEST_NAME)
@@ -194,9 +197,11 @@ class CacheStore:
         removed = []
         candidates = sorted((k for k in self._keys() if k != keep and not self.holders(k)
                              and not self._meta(k).get("pinned")), key=lambda k: self._meta(k).get("lastUsed", 0))
+        used = self.usage()
         for key in candidates:
-            if self.usage() + needed <= self.marks.low:
+            if used + needed <= self.marks.low:
                 break
+            used -= self._meta(key).get("bytes", 0)
             self._remove(key)
             removed.append(key)
         return removed
@@ -205,9 +210,10 @@ class CacheStore:
         if self.usage() + needed <= self.marks.high:
             return
         self.evict(needed, keep=key)
-        if self.usage() + needed > self.marks.high:
+        used = self.usage()
+        if used + needed > self.marks.high:
             blocking = [k for k in self._keys() if self.holders(k) or self._meta(k).get("pinned")]
-            raise CacheFull(f"filling {key} needs {needed} more bytes; the cache holds {self.usage()} of its "
+            raise CacheFull(f"filling {key} needs {needed} more bytes; the cache holds {used} of its "
                             f"{self.marks.high}-byte high watermark and cannot evict {len(blocking)} entries "
                             f"that are mounted or pinned ({', '.join(blocking[:5])}): raise the watermark, "
                             f"unpin an entry, or let its pods go")

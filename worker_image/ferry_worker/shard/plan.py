@@ -23,7 +23,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Iterator, Mapping, Union
 
 from . import fp8
 from .experts import MoeTarget, check_moe, expert_ranks
@@ -187,9 +187,10 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     tied_copies = _check_sources(family, dims, flags, tensors, layers, skipped)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
     cutter = _Cutter(dims, tp, tensors, moe)
+    model_dtype = _model_dtype(family, dims, tensors)
     files = []
     for pp_rank, layer_range in enumerate(ranges):
-        params = _stage_params(family, dims, flags, vllm, layers, layer_range, _model_dtype(family, dims, tensors),
+        params = _stage_params(family, dims, flags, vllm, layers, layer_range, model_dtype,
                                first=pp_rank == 0, last=pp_rank == pp - 1)
         for tp_rank in range(tp):
             planned = [cutter.cut(entry, tp_rank) for entry in params]
@@ -242,14 +243,20 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
     for param in (*family.pre_layer_params, *family.post_layer_params):
         for source in _model_param_sources(param, dims):
             expected[source.hf_name] = dims.shape(source.hf_shape)
+    for _, _, source, name in _layer_sources(family, dims, flags, layers):
+        expected[name] = _source_shape(dims, source)
+    return expected
+
+
+def _layer_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
+                   layers: "_Layers") -> Iterator[tuple[int, Param, Source, str]]:
+    """(layer, param, source, checkpoint name) of every decoder-layer tensor vLLM reads, experts expanded."""
     for i in range(dims.layers):
         for param in family.layer_params:
             if layers.holds(param, i, flags):
                 for source in param.sources:
                     for e in range(dims.experts if param.experts else 1):
-                        name = LAYER_PREFIX.format(i=i) + source.hf_name.replace(EXPERT, str(e))
-                        expected[name] = _source_shape(dims, source)
-    return expected
+                        yield i, param, source, LAYER_PREFIX.format(i=i) + source.hf_name.replace(EXPERT, str(e))
 
 
 def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
@@ -261,13 +268,9 @@ def _check_quantized_dtypes(family: Family, dims: ModelDims, flags: Mapping[str,
                             tensors: Mapping[str, TensorSpec], layers: "_Layers", skipped: Mapping[str, str]) -> None:
     """Quantized weights FP8, their scales float32, nothing else FP8 (fp8.check_dtypes)."""
     quantized, scales = set(), set()
-    for i in range(dims.layers):
-        for param in family.layer_params:
-            if layers.holds(param, i, flags) and layers.quantized(param, i):
-                for source in param.sources:
-                    for e in range(dims.experts if param.experts else 1):
-                        name = LAYER_PREFIX.format(i=i) + source.hf_name.replace(EXPERT, str(e))
-                        (scales if source.block else quantized).add(name)
+    for i, param, source, name in _layer_sources(family, dims, flags, layers):
+        if layers.quantized(param, i):
+            (scales if source.block else quantized).add(name)
     fp8.check_dtypes({n: t.dtype for n, t in tensors.items() if n not in skipped}, quantized, scales, layers.quant)
 
 

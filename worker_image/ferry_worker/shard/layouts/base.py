@@ -139,7 +139,7 @@ class Family:
     # as name suffixes.
     ignored_suffixes: tuple[str, ...]
     # config.json keys that make vLLM build modules these tables do not describe.
-    refused_config_keys: tuple[str, ...]
+    refused_config_keys: tuple[str, ...] = ()
     attention_module: str = "self_attn.attn"  # where vLLM's Attention layer sits in a layer
     # config.json `tie_word_embeddings` when absent: its transformers config
     # class's default (False for Llama, Qwen, Phi-3, Mixtral; True for Gemma).

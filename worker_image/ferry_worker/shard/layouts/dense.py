@@ -120,7 +120,6 @@ PHI3 = Family(
     layer_params=_llama_layers(fused=True),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
 )
 
 QWEN2 = Family(
@@ -140,7 +139,6 @@ QWEN2 = Family(
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
 )
 
 QWEN3_ATTENTION = (
@@ -164,7 +162,6 @@ QWEN3 = Family(
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
 )
 
 # Gemma 2/3: four GemmaRMSNorms per layer, stored raw (vLLM adds the 1 in
@@ -210,7 +207,6 @@ GEMMA2 = Family(
     # Gemma2ForCausalLM has no LM head module: logits come from the embedding.
     post_layer_params=(_GEMMA_NORM,),
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
     tied_by_default=True,
 )
 
@@ -231,6 +227,5 @@ GEMMA3 = Family(
               placement=Placement.EVERY_STAGE, tied_source="model.embed_tokens.weight"),
     ),
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
     tied_by_default=True,
 )

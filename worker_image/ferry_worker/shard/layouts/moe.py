@@ -58,7 +58,6 @@ MIXTRAL = Family(
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
     # Mixtral's expert intermediate size is config.json `intermediate_size`.
     sizes=(SizeKey("experts", ("num_local_experts",)), SizeKey("moe_intermediate", ("intermediate_size",))),
     sparse_layer=lambda config, layer: True,
@@ -91,7 +90,6 @@ QWEN3_MOE = Family(
     ),
     post_layer_params=NORM_AND_LM_HEAD,
     ignored_suffixes=ROTARY_BUFFERS,
-    refused_config_keys=(),
     # transformers 5 writes `num_local_experts` (its attribute_map aliases the Hub's `num_experts` to it).
     sizes=(SizeKey("experts", ("num_experts", "num_local_experts")),
            SizeKey("moe_intermediate", ("moe_intermediate_size",))),
