@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-unit crds controlplane storage node-packages s3server vllm images cluster-up cluster-down demo demo-cluster bench clean
+.PHONY: all venv test test-unit crds controlplane storage node-packages s3server vllm images cluster-up cluster-down demo demo-cluster bench protos clean
 
 all: test
 
@@ -31,6 +31,10 @@ test-unit: venv s3server
 # Regenerate the CRD from the API types (crds/ and the chart's copy).
 crds: venv
 	$(VENV)/bin/ferry-operator crd -o crds/ferry.dev_modelweights.yaml -o charts/ferry/crds/ferry.dev_modelweights.yaml
+
+# Regenerate the node cache agent's gRPC bindings (committed) from its .proto files.
+protos:
+	bash worker_image/ferry_worker/cache/csi/proto/generate.sh
 
 # Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok and
 # helm from the Go module proxy, cached by version under ~/.cache/ferry.

@@ -441,6 +441,16 @@ def mounts_under(*prefixes: Path) -> list[str]:
     return out
 
 
+def share_mounts(path: Path) -> None:
+    """Make `path` a shared mount, as systemd makes every mount on a real node (this machine's / is
+    private): a CSI driver's mounts under the kubelet's directory (the node cache agent's, with
+    mountPropagation Bidirectional, which containerd refuses on a private mount) then reach the host
+    and the pods. A bind of the directory onto itself makes it a mount point of its own."""
+    if str(path) not in mounts_under(path):
+        sh("mount", "--bind", str(path), str(path))
+    sh("mount", "--make-rshared", str(path))
+
+
 def unmount_all(*prefixes: Path) -> None:
     # Deepest first; lazy as a last resort for a mount still busy.
     for _ in range(3):
@@ -501,6 +511,7 @@ class Node:
         for d in (p.root / "cni" / "net.d", p.volumes / "shared", p.volumes / "local", p.kubelet_root,
                   p.root / "pod-logs", p.run):
             d.mkdir(parents=True, exist_ok=True)
+        share_mounts(p.kubelet_root)
         (p.root / "containerd.toml").write_text(containerd_config(p, pause_image))
         (p.root / "cni" / "net.d" / "10-ferry.conflist").write_text(json.dumps(cni_config(p, service_cidr), indent=2))
         (p.root / "resolv.conf").write_text("# the local cluster has no DNS server\noptions ndots:1\n")

@@ -355,3 +355,110 @@ def test_every_serving_deployment_a_spec_can_hold_is_authorised(helm):
     checked = [v for v in policy["spec"]["validations"] if "spec.serving.deployments[" in v["messageExpression"]]
     limit = next(m.max_length for m in Serving.model_fields["deployments"].metadata if hasattr(m, "max_length"))
     assert len(checked) == limit == 32
+
+
+NODE_CACHE = "ferry-node-cache"
+
+
+def node_cache_objects(docs):
+    return [d for d in docs if d["kind"] == "CSIDriver" or d["metadata"]["name"] == NODE_CACHE
+            or d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "node-cache"]
+
+
+@pytest.mark.helm
+def test_node_cache_is_off_by_default(helm):
+    assert node_cache_objects(render(helm)) == []
+    assert node_cache_objects(render(helm, "nodeCache.enabled=false")) == []
+
+
+@pytest.mark.helm
+def test_node_cache_agent_when_enabled(helm):
+    docs = render(helm, "nodeCache.enabled=true")
+    (driver,) = by_kind(docs, "CSIDriver")
+    assert driver["metadata"]["name"] == "cache.ferry.dev"
+    assert driver["spec"] == {"attachRequired": False, "podInfoOnMount": True, "volumeLifecycleModes": ["Ephemeral"],
+                              "fsGroupPolicy": "None", "requiresRepublish": False, "storageCapacity": False}
+    (sa,) = [d for d in by_kind(docs, "ServiceAccount") if d["metadata"]["name"] == NODE_CACHE]
+    assert sa["automountServiceAccountToken"] is False
+    # It talks only to its own kubelet: no role, no binding anywhere names it.
+    assert list(bound_roles(docs, NODE_CACHE)) == []
+    for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
+        assert all(s.get("name") != NODE_CACHE for s in b.get("subjects", [])), b
+    assert not [r for r in by_kind(docs, "Role") + by_kind(docs, "ClusterRole") if "node-cache" in r["metadata"]["name"]]
+
+    (ds,) = by_kind(docs, "DaemonSet")
+    assert ds["metadata"]["name"] == NODE_CACHE and ds["metadata"]["namespace"] == "ferry-system"
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == NODE_CACHE and pod["automountServiceAccountToken"] is False
+    assert pod["priorityClassName"] == "system-node-critical" and pod["hostNetwork"] is False
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    # Its own selector: the operator's Deployment (and metrics Service) must not select it.
+    (dep,) = by_kind(docs, "Deployment")
+    assert ds["spec"]["selector"]["matchLabels"] != dep["spec"]["selector"]["matchLabels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+    (c,) = pod["containers"]
+    assert c["name"] == "agent" and c["image"] == "ghcr.io/ferry-dev/ferry:0.1.0"
+    assert c["securityContext"]["privileged"] is True
+    assert c["command"] == ["ferry", "cache", "--root", "/var/lib/ferry/cache", "--high", "90%", "--low", "80%",
+                            "--eviction-hard", "10%", "agent", "--kubelet-dir", "/var/lib/kubelet",
+                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    (kubelet,) = [m for m in c["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
+    assert volumes[kubelet["name"]]["hostPath"] == {"path": "/var/lib/kubelet", "type": "Directory"}
+    assert kubelet["mountPath"] == "/var/lib/kubelet"
+    cache = mounts["/var/lib/ferry/cache"]
+    assert "mountPropagation" not in cache
+    assert volumes[cache["name"]]["hostPath"] == {"path": "/var/lib/ferry/cache", "type": "DirectoryOrCreate"}
+
+
+@pytest.mark.helm
+def test_node_cache_values_reach_the_agent(helm, tmp_path):
+    docs = render(helm, "nodeCache.enabled=true", "nodeCache.high=3500000", "nodeCache.low=500Gi",
+                  "nodeCache.kubeletEvictionHard=1Gi", "nodeCache.mountWaitSeconds=5",
+                  "nodeCache.kubeletDir=/data/kubelet", "nodeCache.hostPath=/mnt/nvme/ferry",
+                  "nodeCache.nodeSelector.gpu=true")
+    (ds,) = by_kind(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = c["command"]
+    flags = dict(zip(args[2:10:2], args[3:10:2]))
+    assert flags == {"--root": "/var/lib/ferry/cache", "--high": "3500000", "--low": "500Gi", "--eviction-hard": "1Gi"}
+    assert args[args.index("--mount-wait") + 1] == "5"
+    assert args[args.index("--kubelet-dir") + 1] == "/data/kubelet"
+    (kubelet,) = [m for m in c["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
+    assert kubelet["mountPath"] == "/data/kubelet"
+    assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}[kubelet["name"]] == "/data/kubelet"
+    assert "/mnt/nvme/ferry" in [v["hostPath"]["path"] for v in pod["volumes"]]
+    assert pod["nodeSelector"] == {"gpu": "true"}
+    # A values file's big integers reach helm as floats: still a whole byte count, not 3.5e+06.
+    values = tmp_path / "values.yaml"
+    values.write_text("nodeCache: {enabled: true, high: 3500000000000, low: 3000000}\n")
+    out = run_helm(helm, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(values)).stdout
+    (ds,) = by_kind([d for d in yaml.safe_load_all(out) if d], "DaemonSet")
+    args = ds["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert args[args.index("--high") + 1] == "3500000000000" and args[args.index("--low") + 1] == "3000000"
+
+
+@pytest.mark.helm
+@pytest.mark.parametrize("bad,words", [
+    ("nodeCache.hostPath=relative/path", "hostPath"),
+    ("nodeCache.kubeletDir=var/lib/kubelet", "kubeletDir"),
+    ("nodeCache.high=lots", "high"),
+    ("nodeCache.low=5P", "low"),
+    ("nodeCache.kubeletEvictionHard=-1", "kubeletEvictionHard"),
+    ("nodeCache.mountWaitSeconds=-1", "mountWaitSeconds"),
+    ("nodeCache.bogus=1", "bogus"),
+])
+def test_node_cache_values_schema_rejects_bad_values(helm, bad, words):
+    proc = run_helm(helm, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION,
+                    "--set", "nodeCache.enabled=true", "--set", bad, check=False)
+    assert proc.returncode != 0 and "nodeCache" in proc.stderr and words in proc.stderr, proc.stderr
+
+
+@pytest.mark.helm
+def test_node_cache_chart_lints(helm):
+    run_helm(helm, "lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION, "--set", "nodeCache.enabled=true")

@@ -190,7 +190,7 @@ def test_eviction_is_lru_between_watermarks_and_spares_mounted_and_pinned(tmp_pa
     assert store.usage() <= int(2.5 * size)
     # With a0 mounted and a2 pinned, nothing can make room for a1: refused, with the reason.
     store.pin(keys["a2"])
-    with pytest.raises(CacheFull, match="cannot evict 2 entries that are mounted or pinned"):
+    with pytest.raises(CacheFull, match="2 entries that could go are mounted or pinned"):
         store.fill(artifacts["a1"], digest(artifacts["a1"]))
     assert store.entry(keys["a1"]) is None
     # Released and unpinned, a0 is evictable again.
@@ -214,15 +214,56 @@ def test_the_cache_command_fills_lists_and_checks(tmp_path, artifacts, capsys):
     from ferry_worker.cli import main
 
     source, root = artifacts["a1"], tmp_path / "cache"
-    assert main(["cache", "--root", str(root), "fill", "--source", str(source), "--digest", digest(source),
+    # No disk floor: what this machine's disk has free is not this test's business (test_the_disk_floor...).
+    root_args = ["cache", "--root", str(root), "--eviction-hard", "0", "--margin", "0"]
+    assert main([*root_args, "fill", "--source", str(source), "--digest", digest(source),
                  "--ranks", "0"]) == 0
     entry = Path(capsys.readouterr().out.strip())
     assert (entry / "model-rank-0-part-0.safetensors").exists()
-    assert main(["cache", "--root", str(root), "pin", "--digest", digest(source), "--ranks", "0"]) == 0
-    assert main(["cache", "--root", str(root), "list"]) == 0
+    assert main([*root_args, "pin", "--digest", digest(source), "--ranks", "0"]) == 0
+    assert main([*root_args, "list"]) == 0
     listing = json.loads(capsys.readouterr().out)
     (meta,) = listing["entries"].values()
     assert meta["pinned"] is True and meta["holders"] == [] and listing["usage"] == meta["bytes"]
-    assert main(["cache", "--root", str(root), "check", "--digest", digest(source), "--ranks", "0"]) == 0
+    assert main([*root_args, "check", "--digest", digest(source), "--ranks", "0"]) == 0
     # A digest the cache does not hold: one clear line, exit 1.
-    assert main(["cache", "--root", str(root), "check", "--digest", "sha256:" + "b" * 64]) == 1
+    assert main([*root_args, "check", "--digest", "sha256:" + "b" * 64]) == 1
+    # Evicting one entry by digest: refused while mounted, then gone.
+    store = CacheStore(root, BIG)
+    key = cache_key(digest(source), [0])
+    store.acquire(key, "pod-uid-1")
+    assert main([*root_args, "evict", "--digest", digest(source), "--ranks", "0"]) == 1
+    store.release(key, "pod-uid-1")
+    assert main([*root_args, "evict", "--digest", digest(source), "--ranks", "0"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"evicted": [key]}
+    assert store.entry(key) is None
+
+
+def test_the_disk_floor_refuses_a_fill_in_the_kubelets_terms(tmp_path, artifacts):
+    """Other writers on the disk count: with the watermarks far away, a fill that would leave less free
+    than the kubelet's evictionHard (plus margin) evicts first, and is refused when nothing can go."""
+    source = artifacts["a0"]
+    size = sum(e.size for e in read_manifest(source).files)
+    others = [0]  # bytes other writers put on the disk
+    store = CacheStore(tmp_path / "cache", Watermarks(high=1 << 40, low=1 << 39, keep_free=int(7.5 * size)),
+                       disk_free=lambda: 10 * size - store.usage() - others[0])
+    store.fill(source, digest(source))  # 9 sizes free, of which 7.5 must stay
+    others[0] = size  # 8 free: a second artifact would leave 7
+    store.acquire(cache_key(digest(source)), "pod-uid-1")
+    with pytest.raises(CacheFull, match=r"must keep \d+ \(below that the kubelet reports DiskPressure"):
+        store.fill(artifacts["a1"], digest(artifacts["a1"]))
+    assert store.entry(cache_key(digest(artifacts["a1"]))) is None
+    store.release(cache_key(digest(source)), "pod-uid-1")
+    store.fill(artifacts["a1"], digest(artifacts["a1"]))  # the unmounted a0 is evicted to make room
+    assert store.entry(cache_key(digest(source))) is None
+
+
+def test_cache_sizes_take_a_share_of_the_disk_or_bytes():
+    from ferry_worker.cache.cli import resolve, size_or_share
+
+    assert resolve(size_or_share("10%"), 1000) == 100
+    assert resolve(size_or_share("0"), 1000) == 0
+    assert resolve(size_or_share("1Ki"), 1000) == 1024
+    for bad in ("110%", "lots", "-5%"):
+        with pytest.raises(Exception, match="percentage|not a size"):
+            size_or_share(bad)

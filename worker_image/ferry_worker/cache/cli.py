@@ -1,55 +1,104 @@
-"""`ferry cache`: the node cache store from the command line (what the node
-agent runs, and what an admin uses to look at a node's cache)."""
+"""`ferry cache`: the node cache store from the command line: what the node
+agent runs (`agent`), what a fill pod runs (`fill-slot`), and what an admin
+uses to look at a node's cache."""
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 
 def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
-    from ..cli_args import parse_size
     from ..load.cli import _ranks
 
-    cache = subparsers.add_parser("cache", help="a node's weight cache: fill, check, list, pin, evict",
+    cache = subparsers.add_parser("cache", help="a node's weight cache: fill, check, list, pin, evict, agent",
                                   description="One verified copy per artifact (manifest digest) under --root.")
     cache.add_argument("--root", type=Path, required=True, help="the cache directory (node-local disk)")
-    cache.add_argument("--high", type=parse_size, default=None, metavar="SIZE",
+    cache.add_argument("--high", type=size_or_share, default="90%", metavar="SIZE|N%",
                        help="high watermark: a fill that would pass it evicts first, or is refused (default: "
                             "90%% of the filesystem)")
-    cache.add_argument("--low", type=parse_size, default=None, metavar="SIZE",
+    cache.add_argument("--low", type=size_or_share, default="80%", metavar="SIZE|N%",
                        help="low watermark: eviction frees down to it (default: 80%% of the filesystem)")
+    cache.add_argument("--eviction-hard", type=size_or_share, default="10%", metavar="SIZE|N%",
+                       help="the kubelet's evictionHard nodefs.available on this disk: the cache keeps that "
+                            "much free, plus --margin, whatever the watermarks (default: 10%%, the kubelet's)")
+    cache.add_argument("--margin", type=size_or_share, default="2%", metavar="SIZE|N%",
+                       help="free disk kept above --eviction-hard, for the other writers on it (default: 2%%)")
     actions = cache.add_subparsers(dest="action", required=True)
     fill = actions.add_parser("fill", help="fill (or find) the entry of an artifact, verified block by block")
-    fill.add_argument("--source", type=Path, required=True, help="the artifact directory (a claim's)")
-    fill.add_argument("--digest", required=True, metavar="sha256:HEX", help="its manifest digest")
-    fill.add_argument("--ranks", type=_ranks, metavar="N,N,...", help="only these ranks' files (sharded_state)")
+    fill_slot = actions.add_parser("fill-slot", help="(in a fill pod) copy an artifact into the slot the "
+                                                      "node agent mounted; the agent verifies and publishes it")
+    fill_slot.add_argument("--slot", type=Path, required=True, help="where the slot is mounted")
+    for action in (fill, fill_slot):
+        action.add_argument("--source", type=Path, required=True, help="the artifact directory (a claim's)")
+        action.add_argument("--digest", required=True, metavar="sha256:HEX", help="its manifest digest")
+        action.add_argument("--ranks", type=_ranks, metavar="N,N,...", help="only these ranks' files")
     for name, what in (("check", "verify every byte of an entry; a corrupt one is removed"),
                        ("pin", "keep an entry whatever the watermarks"), ("unpin", "let an entry be evicted again")):
         action = actions.add_parser(name, help=what)
         action.add_argument("--digest", required=True, metavar="sha256:HEX")
         action.add_argument("--ranks", type=_ranks, metavar="N,N,...")
     actions.add_parser("list", help="the entries, their sizes, holders and pins, as JSON")
-    actions.add_parser("evict", help="evict least recently used entries down to the low watermark")
+    evict = actions.add_parser("evict", help="evict least recently used entries down to the low watermark, "
+                                             "or the one entry --digest names (unless it is mounted)")
+    evict.add_argument("--digest", metavar="sha256:HEX")
+    evict.add_argument("--ranks", type=_ranks, metavar="N,N,...")
+    agent = actions.add_parser("agent", help="the node agent: the CSI driver cache.ferry.dev, registered "
+                                             "with this node's kubelet")
+    agent.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet"),
+                       help="the kubelet's root directory, mounted at the same path (Bidirectional)")
+    agent.add_argument("--node-name", required=True, help="this node's name (the pod's spec.nodeName)")
+    agent.add_argument("--mount-wait", type=float, default=30.0, metavar="SECONDS",
+                       help="how long a serving mount waits for a fill under way before it fails "
+                            "(the kubelet retries it)")
     cache.set_defaults(run=_cache)
 
 
-def _store(args: argparse.Namespace):
-    import shutil
+def size_or_share(text: str):
+    """`90%` (a share of the cache's filesystem, resolved by `resolve`) or a size (`500Gi`, `0`)."""
+    from ..cli_args import parse_size
 
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a percentage: {text!r}") from None
+        if not 0 <= share <= 100:
+            raise argparse.ArgumentTypeError(f"a percentage must be within 0-100: {text!r}")
+        return share / 100
+    return 0 if text == "0" else parse_size(text)
+
+
+def resolve(value, total: int) -> int:
+    return int(value * total) if isinstance(value, float) else value
+
+
+def open_store(args: argparse.Namespace):
     from .store import CacheStore, Watermarks
 
     args.root.mkdir(parents=True, exist_ok=True)
     total = shutil.disk_usage(args.root).total
-    high = args.high if args.high is not None else int(0.9 * total)
-    low = args.low if args.low is not None else min(high, int(0.8 * total))
-    return CacheStore(args.root, Watermarks(high=high, low=low))
+    high = resolve(args.high, total)
+    low = min(high, resolve(args.low, total))
+    keep_free = resolve(args.eviction_hard, total) + resolve(args.margin, total)
+    return CacheStore(args.root, Watermarks(high=high, low=low, keep_free=keep_free))
 
 
 def _cache(args: argparse.Namespace) -> int:
+    if args.action == "fill-slot":
+        from .fill_slot import fill_slot
+
+        print(fill_slot(args.slot, args.source, args.digest, args.ranks))
+        return 0
     from .store import cache_key
 
-    store = _store(args)
+    store = open_store(args)
+    if args.action == "agent":
+        from .csi.agent import serve
+
+        return serve(store, args.kubelet_dir, args.node_name, args.mount_wait)
     if args.action == "fill":
         print(store.fill(args.source, args.digest, args.ranks))
     elif args.action == "check":
@@ -58,7 +107,8 @@ def _cache(args: argparse.Namespace) -> int:
     elif args.action in ("pin", "unpin"):
         store.pin(cache_key(args.digest, args.ranks), args.action == "pin")
     elif args.action == "evict":
-        print(json.dumps({"evicted": store.evict()}))
+        evicted = [store.remove(cache_key(args.digest, args.ranks))] if args.digest else store.evict()
+        print(json.dumps({"evicted": evicted}))
     else:
         print(json.dumps(store.listing(), indent=1))
     return 0

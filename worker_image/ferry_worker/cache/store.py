@@ -1,14 +1,18 @@
 """A node's weight cache: one verified copy of each artifact (or of the rank
 files a pod serves), keyed by the artifact's manifest digest. The storage
-layer of issue 17's node agent (docs/node-cache.md); the agent, the CSI mount
-and the operator's side are not built yet.
+layer of issue 17's node agent (docs/node-cache.md): the agent's CSI driver
+(`csi/`) hands fill pods a slot and serving pods a read-only entry.
 
 Layout under the cache root (one filesystem, so renames are atomic):
 
     entries/<key>/        complete and verified; files 0444, directory 0555
-    filling/<key>/        a fill under way: each file appears under its name only
-                          once verified (load.reader copies through atomic_file),
-                          so a fill killed at any point resumes from what is there
+    filling/<key>/        a fill under way, by the agent itself (`fill`) or by a
+                          fill pod in a slot (`slot`, then `adopt`): the manifest
+                          is written first under PENDING_MANIFEST, each file
+                          appears under its name only once verified (load.reader
+                          copies through atomic_file), the manifest's own name
+                          last; a fill killed at any point resumes from what the
+                          pending manifest verifies
     holders/<key>/<id>    one empty file per pod that has the entry mounted
     meta/<key>.json       {"bytes", "lastUsed", "pinned"}
     locks/<key>.lock      flock held by the one fill of <key> (others wait for it)
@@ -18,9 +22,10 @@ Layout under the cache root (one filesystem, so renames are atomic):
 complete `filling/<key>` to `entries/<key>`: a half-filled entry cannot be
 mounted. Eviction is least recently used, only down to the low watermark,
 and never touches an entry that is held (mounted) or pinned; a fill that
-cannot fit under the high watermark fails with the reason instead of
-filling the disk (the agent caps the high mark below the kubelet's
-evictionHard, so the node never reaches DiskPressure because of the cache).
+cannot fit under the high watermark, or would leave the disk less free than
+`keep_free` (the kubelet's evictionHard plus a margin: other writers on the
+disk count too), fails with the reason instead of pushing the node into
+DiskPressure.
 """
 from __future__ import annotations
 
@@ -28,8 +33,10 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +47,8 @@ from ..load.selection import select
 from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file, fsync_dir
 
 OnBytes = Callable[[int], None]
+log = logging.getLogger(__name__)
+PENDING_MANIFEST = ".ferry-manifest.pending.json"  # a fill's manifest until every file is in
 
 
 class CacheError(Exception):
@@ -54,9 +63,10 @@ class CacheFull(CacheError):
 class Watermarks:
     high: int  # bytes: a fill that would pass it evicts first, or is refused
     low: int  # eviction frees down to this
+    keep_free: int = 0  # bytes of the filesystem that stay free whatever the marks (the kubelet's evictionHard)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.low <= self.high:
+        if self.keep_free < 0 or not 0 <= self.low <= self.high:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high, got low {self.low}, high {self.high}")
 
 
@@ -68,8 +78,10 @@ def cache_key(digest: str, ranks: list[int] | None = None) -> str:
 
 
 class CacheStore:
-    def __init__(self, root: Path, marks: Watermarks, clock: Callable[[], float] = time.time):
+    def __init__(self, root: Path, marks: Watermarks, clock: Callable[[], float] = time.time,
+                 disk_free: Callable[[], int] | None = None):
         self.root, self.marks, self.clock = Path(root), marks, clock
+        self.disk_free = disk_free or (lambda: shutil.disk_usage(self.root).free)
         for part in ("entries", "filling", "holders", "meta", "locks"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
 
@@ -101,42 +113,68 @@ class CacheStore:
             if ready is not None:
                 self.touch(key)
                 return ready
-            manifest = _source_manifest(source, digest)
-            wanted = select(manifest, ranks).entries
+            manifest_bytes = _source_manifest_bytes(source, digest)
             staging = self.root / "filling" / key
             staging.mkdir(exist_ok=True)
-            have = self._resumable(staging, wanted)
-            missing = [e for e in wanted if e.path not in have]
+            wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
+            missing = [e for e in wanted if e.path not in keep_verified(staging, wanted, digest)]
             self._make_room(sum(e.size for e in missing), key)
-            # Each file lands under its name only once verified (atomic_file), so a kill leaves whole
-            # files behind; one file per call (its segments still read in parallel) so that
-            # `after_file` can hold the fill between two of them.
-            for e in missing:
-                read_files(source, [e], ReadOptions(), on_bytes, copy_to=staging)
-                after_file(e.path)
-            shutil.copyfile(source / MANIFEST_NAME, staging / MANIFEST_NAME)
+            copy_into(staging, source, manifest_bytes, missing, on_bytes, after_file)
             return self._publish(key, staging, sum(e.size for e in wanted))
 
-    def _resumable(self, staging: Path, wanted) -> set[str]:
-        """Files a killed fill left, checked again (local reads): kept if whole and verified, else removed."""
-        kept = set()
-        for e in wanted:
-            path = staging / e.path
-            if not path.exists():
-                continue
-            try:
-                read_files(staging, [e], ReadOptions())
-                kept.add(e.path)
-            except IntegrityError:
-                path.unlink()
-        for stray in staging.rglob("*"):
-            if stray.is_file() and stray.relative_to(staging).as_posix() not in kept:
-                stray.unlink()  # a temporary file of an interrupted copy
-        return kept
+    # -- fill pods: a slot to fill, adopted once the pod is done --------------------------------------------
+    def slot(self, key: str, nbytes: int) -> Path:
+        """The staging directory a fill pod writes `key` into (made writable for the pod's uid), with room
+        for `nbytes` made first: a fill that cannot fit is refused before a byte moves."""
+        with self._lock(key):
+            staging = self.root / "filling" / key
+            staging.mkdir(exist_ok=True)
+            self._make_room(max(0, nbytes - _tree_bytes(staging)), key)
+            staging.chmod(0o777)  # the pod runs as its own (non-root) uid; the agent takes it over after
+            return staging
+
+    def adopt(self, key: str, nbytes: int) -> Path:
+        """Publish what a fill pod left in its slot, trusting none of it: anything but a regular file is
+        removed (a symlink cannot lead the agent to a host file), every file becomes root's and read-only,
+        more bytes than declared are refused, and every byte is verified against the manifest whose sha256
+        is the digest. An unfinished slot keeps only what that manifest verifies, for the next fill pod."""
+        with self._lock(key):
+            if self.entry(key) is not None:
+                self._drop_slot(key)
+                return self.entry(key)
+            staging = self.root / "filling" / key
+            if not staging.is_dir():
+                raise CacheError(f"no fill slot for {key}")
+            have = _take_over(staging)
+            digest = key.partition(".")[0]
+            manifest_bytes = _slot_manifest_bytes(staging, digest)
+            if manifest_bytes is None:
+                self._drop_slot(key)
+                raise CacheError(f"the fill of {key} left no manifest whose sha256 is {digest}: removed")
+            wanted = select(Manifest.from_json(manifest_bytes), _ranks_of(key)).entries
+            limit = max(nbytes, sum(e.size for e in wanted)) + len(manifest_bytes) * 2
+            if have > limit:
+                self._drop_slot(key)
+                raise CacheError(f"the fill of {key} left {have} bytes, more than the {limit} it declared: removed")
+            verified = keep_verified(staging, wanted, digest)
+            missing = [e.path for e in wanted if e.path not in verified]
+            if missing:
+                raise CacheError(f"the fill of {key} is unfinished: {len(missing)} files missing or corrupt "
+                                 f"(first: {missing[0]}); the verified ones are kept for the next fill")
+            _install_manifest(staging, manifest_bytes)
+            return self._publish(key, staging, sum(e.size for e in wanted))
+
+    def _drop_slot(self, key: str) -> None:
+        staging = self.root / "filling" / key
+        if staging.exists():
+            _make_removable(staging)
+            shutil.rmtree(staging)
 
     def _publish(self, key: str, staging: Path, nbytes: int) -> Path:
         for path in staging.rglob("*"):
             path.chmod(0o555 if path.is_dir() else 0o444)
+        with contextlib.suppress(FileNotFoundError):
+            (staging / PENDING_MANIFEST).unlink()
         final = self.root / "entries" / key
         _write_json(self.root / "meta" / f"{key}.json", {"bytes": nbytes, "lastUsed": self.clock(), "pinned": False})
         staging.chmod(0o555)
@@ -154,6 +192,25 @@ class CacheStore:
         held.mkdir(exist_ok=True)
         (held / _safe(holder)).touch()
         self.touch(key)
+        return path
+
+    def mount_entry(self, key: str, holder: str) -> Path:
+        """The entry, held by `holder` and verified byte by byte (what a serving mount gets). A corrupt
+        entry is released and, unless another pod still has it mounted, removed: the next fill fetches it
+        again. Raises IntegrityError naming the file."""
+        path = self.acquire(key, holder)
+        try:
+            self.check(key)
+        except IntegrityError:
+            self.release(key, holder)
+            with self._lock(key):
+                if not self.holders(key):
+                    log.warning("removed corrupt entry %s: the next fill fetches it again", key)
+                    self._remove(key)
+            raise
+        except BaseException:
+            self.release(key, holder)
+            raise
         return path
 
     def release(self, key: str, holder: str) -> None:
@@ -193,38 +250,58 @@ class CacheStore:
     # -- eviction --------------------------------------------------------------------------------------------
     def evict(self, needed: int = 0, keep: str | None = None) -> list[str]:
         """Remove least recently used entries (not held, not pinned, not `keep`) until `needed` more bytes
-        fit under the low watermark; returns the keys removed."""
+        fit under the low watermark and above the disk's floor; returns the keys removed."""
         removed = []
         candidates = sorted((k for k in self._keys() if k != keep and not self.holders(k)
                              and not self._meta(k).get("pinned")), key=lambda k: self._meta(k).get("lastUsed", 0))
-        used = self.usage()
+        used, free = self.usage(), self.disk_free()
         for key in candidates:
-            if used + needed <= self.marks.low:
+            if used + needed <= self.marks.low and free - needed >= self.marks.keep_free:
                 break
-            used -= self._meta(key).get("bytes", 0)
+            nbytes = self._meta(key).get("bytes", 0)
+            log.info("evicted %s (%d bytes, least recently used; the cache held %d, low watermark %d)",
+                     key, nbytes, used, self.marks.low)
             self._remove(key)
+            used, free = used - nbytes, free + nbytes
             removed.append(key)
         return removed
 
+    def remove(self, key: str) -> str:
+        """Evict one entry now (an admin's `ferry cache evict --digest`), unless a pod has it mounted."""
+        with self._lock(key):
+            if self.entry(key) is None:
+                raise CacheError(f"no cache entry {key}")
+            if self.holders(key):
+                raise CacheError(f"entry {key} is mounted by {', '.join(self.holders(key))}: let its pods go first")
+            self._remove(key)
+            return key
+
     def _make_room(self, needed: int, key: str) -> None:
-        if self.usage() + needed <= self.marks.high:
+        if self._fits(needed):
             return
         self.evict(needed, keep=key)
-        used = self.usage()
-        if used + needed > self.marks.high:
-            blocking = [k for k in self._keys() if self.holders(k) or self._meta(k).get("pinned")]
-            raise CacheFull(f"filling {key} needs {needed} more bytes; the cache holds {used} of its "
-                            f"{self.marks.high}-byte high watermark and cannot evict {len(blocking)} entries "
-                            f"that are mounted or pinned ({', '.join(blocking[:5])}): raise the watermark, "
-                            f"unpin an entry, or let its pods go")
+        if self._fits(needed):
+            return
+        used, free = self.usage(), self.disk_free()
+        blocking = [k for k in self._keys() if self.holders(k) or self._meta(k).get("pinned")]
+        why = (f"the cache holds {used} of its {self.marks.high}-byte high watermark"
+               if used + needed > self.marks.high else
+               f"the disk has {free} bytes free and must keep {self.marks.keep_free} (below that the kubelet "
+               f"reports DiskPressure and evicts pods)")
+        raise CacheFull(f"filling {key} needs {needed} more bytes; {why}, and {len(blocking)} entries that "
+                        f"could go are mounted or pinned ({', '.join(blocking[:5]) or 'none'}): raise the "
+                        f"watermark or free the disk, unpin an entry, or let its pods go")
+
+    def _fits(self, needed: int) -> bool:
+        return (self.usage() + needed <= self.marks.high
+                and self.disk_free() - needed >= self.marks.keep_free)
 
     def _remove(self, key: str) -> None:
         path = self.root / "entries" / key
         if path.exists():
             doomed = self.root / "filling" / f".evicted-{key}-{os.getpid()}"
             os.rename(path, doomed)  # gone from entries/ at once; the bytes go after
-            for p in [doomed, *doomed.rglob("*")]:
-                p.chmod(0o755 if p.is_dir() else 0o644)
+            _make_removable(doomed)
             shutil.rmtree(doomed)
         with contextlib.suppress(FileNotFoundError):
             (self.root / "meta" / f"{key}.json").unlink()
@@ -249,17 +326,103 @@ class CacheStore:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _source_manifest(source: Path, digest: str) -> Manifest:
+def _source_manifest_bytes(source: Path, digest: str) -> bytes:
     """The source's manifest, trusted only if its sha256 is the digest the entry is keyed by."""
     path = source / MANIFEST_NAME
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CacheError(f"{source} holds no {MANIFEST_NAME}: not a complete Ferry artifact") from None
-    actual = "sha256:" + hashlib.sha256(data).hexdigest()
-    if actual != "sha256:" + digest.removeprefix("sha256:"):
-        raise CacheError(f"{path} has digest {actual}, not {digest}: the artifact changed under its record")
-    return Manifest.from_json(data)
+    if not _is_digest(data, digest):
+        raise CacheError(f"{path} has digest sha256:{hashlib.sha256(data).hexdigest()}, not {digest}: the "
+                         f"artifact changed under its record")
+    return data
+
+
+def copy_into(staging: Path, source: Path, manifest_bytes: bytes, entries, on_bytes: OnBytes = lambda n: None,
+              after_file: Callable[[str], None] = lambda name: None) -> None:
+    """Copy `entries` of the artifact at `source` into `staging`, each verified as it is written. The
+    manifest goes first under PENDING_MANIFEST (a killed fill is resumed against it) and under its own
+    name last. One file per call (its segments still read in parallel) so that `after_file` can hold the
+    fill between two files: the fault tests stop a fill there."""
+    with atomic_file(staging / PENDING_MANIFEST) as f:
+        f.write(manifest_bytes)
+    for e in entries:
+        read_files(source, [e], ReadOptions(), on_bytes, copy_to=staging)
+        after_file(e.path)
+    _install_manifest(staging, manifest_bytes)
+
+
+def keep_verified(staging: Path, wanted, digest: str) -> set[str]:
+    """The files a killed fill left in `staging` that are whole and verified (local reads); everything
+    else is removed: temporary files of an interrupted copy, corrupt files, strays."""
+    kept = set()
+    for e in wanted:
+        path = staging / e.path
+        if not path.is_file() or path.is_symlink():
+            continue
+        try:
+            read_files(staging, [e], ReadOptions())
+            kept.add(e.path)
+        except IntegrityError:
+            path.unlink()
+    manifests = {name for name in (MANIFEST_NAME, PENDING_MANIFEST)
+                 if (staging / name).is_file() and _is_digest((staging / name).read_bytes(), digest)}
+    for stray in sorted(staging.rglob("*"), reverse=True):
+        rel = stray.relative_to(staging).as_posix()
+        if stray.is_symlink() or (stray.is_file() and rel not in kept | manifests):
+            stray.unlink()
+    return kept
+
+
+def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:
+    for name in (MANIFEST_NAME, PENDING_MANIFEST):
+        path = staging / name
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            if _is_digest(data, digest):
+                return data
+    return None
+
+
+def _install_manifest(staging: Path, manifest_bytes: bytes) -> None:
+    with atomic_file(staging / MANIFEST_NAME) as f:
+        f.write(manifest_bytes)
+    with contextlib.suppress(FileNotFoundError):
+        (staging / PENDING_MANIFEST).unlink()
+
+
+def _take_over(staging: Path) -> int:
+    """Make a slot a fill pod wrote the agent's own: remove what is not a regular file or a directory
+    (symlinks, fifos, devices: never followed), chown root, no write or exec bits. Returns its bytes."""
+    total = 0
+    for top, dirs, files in os.walk(staging, topdown=True, followlinks=False):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                os.lchown(path, 0, 0)
+                os.chmod(path, 0o755, follow_symlinks=False)
+            elif stat.S_ISREG(st.st_mode):
+                os.lchown(path, 0, 0)
+                os.chmod(path, 0o444, follow_symlinks=False)
+                total += st.st_size
+            else:
+                os.unlink(path)
+        dirs[:] = [d for d in dirs if os.path.isdir(os.path.join(top, d)) and not os.path.islink(os.path.join(top, d))]
+    os.lchown(staging, 0, 0)
+    os.chmod(staging, 0o755)
+    return total
+
+
+def _make_removable(tree: Path) -> None:
+    for p in [tree, *tree.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def _is_digest(data: bytes, digest: str) -> bool:
+    return hashlib.sha256(data).hexdigest() == digest.removeprefix("sha256:")
 
 
 def _ranks_of(key: str) -> list[int] | None:

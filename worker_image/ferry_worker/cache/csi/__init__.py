@@ -1,0 +1,1 @@
+"""The node agent's CSI driver `cache.ferry.dev` (docs/node-cache.md)."""
