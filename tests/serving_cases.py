@@ -75,7 +75,17 @@ def apply(current: DeploymentFacts, patch: dict[str, Any] | None) -> DeploymentF
             containers[c["name"]] = list(c["args"])
         if "command" in c:
             commands[c["name"]] = list(c["command"])
-    return replace(current, containers=containers, commands=commands, template_annotations=annotations)
+    return replace(current, containers=containers, commands=commands, template_annotations=annotations,
+                   weights_volume=merged_weights_volume(current, template["spec"]))
+
+
+def merged_weights_volume(current: DeploymentFacts, pod_patch: dict[str, Any]) -> str:
+    """The ferry-weights volume's source after a strategic merge: volumes merge by name, and `$retainKeys`
+    (Ferry's node cache volume) keeps only the keys it lists."""
+    for v in pod_patch.get("volumes") or []:
+        if v.get("name") == "ferry-weights":
+            return next(k for k in v if k[0] != "$" and k != "name")
+    return current.weights_volume
 
 
 def wire(spec_name: str, current: DeploymentFacts) -> tuple[dict | None, DeploymentFacts]:

@@ -94,6 +94,7 @@ OPERATOR_NAMESPACED = {
 OPERATOR_CLUSTER_READS = {
     *(("apiextensions.k8s.io", "customresourcedefinitions", v, "*") for v in READS),
     ("storage.k8s.io", "storageclasses", "get", "*"),
+    ("", "nodes", "list", "*"),
     *(("admissionregistration.k8s.io", r, v, "*")
       for r in ("validatingadmissionpolicies", "validatingadmissionpolicybindings") for v in READS),
 }
@@ -226,6 +227,9 @@ RBAC_MATRIX = [
     # Why a claim stays Pending: its StorageClass, by name; never the cluster's events.
     (OPERATOR, "get", "storageclasses.storage.k8s.io", None, True),
     (OPERATOR, "list", "storageclasses.storage.k8s.io", None, False),
+    # Which nodes a node cache prewarm selects: names by label, never a node's own writes.
+    (OPERATOR, "list", "nodes", None, True),
+    (OPERATOR, "patch", "nodes", None, False),
     (OPERATOR, "list", "events", "ml", False),
     (OPERATOR, "list", "pods", "ml", True),
     (OPERATOR, "get", "secrets", "ml", False),
@@ -384,7 +388,8 @@ def test_node_cache_agent_when_enabled(helm):
     assert list(bound_roles(docs, NODE_CACHE)) == []
     for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
         assert all(s.get("name") != NODE_CACHE for s in b.get("subjects", [])), b
-    assert not [r for r in by_kind(docs, "Role") + by_kind(docs, "ClusterRole") if "node-cache" in r["metadata"]["name"]]
+    roles = by_kind(docs, "Role") + by_kind(docs, "ClusterRole")
+    assert not [r for r in roles if "node-cache" in r["metadata"]["name"]]
 
     (ds,) = by_kind(docs, "DaemonSet")
     assert ds["metadata"]["name"] == NODE_CACHE and ds["metadata"]["namespace"] == "ferry-system"
@@ -420,7 +425,7 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     docs = render(helm, "nodeCache.enabled=true", "nodeCache.high=3500000", "nodeCache.low=500Gi",
                   "nodeCache.kubeletEvictionHard=1Gi", "nodeCache.mountWaitSeconds=5",
                   "nodeCache.kubeletDir=/data/kubelet", "nodeCache.hostPath=/mnt/nvme/ferry",
-                  "nodeCache.nodeSelector.gpu=true")
+                  "nodeCache.nodeSelector.pool=gpu")
     (ds,) = by_kind(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -433,7 +438,7 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     assert kubelet["mountPath"] == "/data/kubelet"
     assert {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}[kubelet["name"]] == "/data/kubelet"
     assert "/mnt/nvme/ferry" in [v["hostPath"]["path"] for v in pod["volumes"]]
-    assert pod["nodeSelector"] == {"gpu": "true"}
+    assert pod["nodeSelector"] == {"pool": "gpu"}
     # A values file's big integers reach helm as floats: still a whole byte count, not 3.5e+06.
     values = tmp_path / "values.yaml"
     values.write_text("nodeCache: {enabled: true, high: 3500000000000, low: 3000000}\n")
@@ -449,6 +454,7 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     ("nodeCache.kubeletDir=var/lib/kubelet", "kubeletDir"),
     ("nodeCache.high=lots", "high"),
     ("nodeCache.low=5P", "low"),
+    ("nodeCache.high=150%", "high"),
     ("nodeCache.kubeletEvictionHard=-1", "kubeletEvictionHard"),
     ("nodeCache.mountWaitSeconds=-1", "mountWaitSeconds"),
     ("nodeCache.bogus=1", "bogus"),
@@ -457,6 +463,22 @@ def test_node_cache_values_schema_rejects_bad_values(helm, bad, words):
     proc = run_helm(helm, "template", "ferry", str(CHART), "--kube-version", KUBE_VERSION,
                     "--set", "nodeCache.enabled=true", "--set", bad, check=False)
     assert proc.returncode != 0 and "nodeCache" in proc.stderr and words in proc.stderr, proc.stderr
+
+
+@pytest.mark.helm
+@pytest.mark.parametrize("sets", [
+    (), ("nodeCache.high=3500000", "nodeCache.low=500Gi", "nodeCache.kubeletEvictionHard=1Gi"),
+], ids=["defaults", "sizes"])
+def test_node_cache_command_parses_with_the_worker_cli(helm, sets):
+    from ferry_worker.cli import _parser
+
+    (ds,) = by_kind(render(helm, "nodeCache.enabled=true", *sets), "DaemonSet")
+    command = ds["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[0] == "ferry"
+    args = _parser().parse_args([a.replace("$(NODE_NAME)", "node-1") for a in command[1:]])
+    assert (args.command, args.action, args.node_name) == ("cache", "agent", "node-1")
+    assert str(args.root) == "/var/lib/ferry/cache" and str(args.kubelet_dir) == "/var/lib/kubelet"
+    assert args.mount_wait == 30
 
 
 @pytest.mark.helm

@@ -161,3 +161,15 @@ def test_the_wired_container_keeps_its_log_tail_as_termination_message():
     (action,) = plan(m, observed(m, deployment()), loader=LOADER).actions
     (container,) = action.patch["spec"]["template"]["spec"]["containers"]
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+@pytest.mark.parametrize("log", [
+    VLLM_ERROR + "INFO 12-02 08:00:01 [launcher.py:80] Shutting down FastAPI HTTP server.\n",
+    # stdout and stderr reach the log through two pipes: an info line written before the error may land after it.
+    VLLM_ERROR + "vllm serve /ferry/weights --load-format sharded_state\n",
+], ids=["shutdown-lines-after", "stdout-after-stderr"])
+def test_the_quoted_line_is_the_error_not_the_last_line(log):
+    from ferry_operator.kubelet_words import error_line
+
+    assert error_line(log).startswith("ValueError: Unrecognized load format 'shardedstate'")
+    assert error_line("all good\nstill good\n") == "still good"

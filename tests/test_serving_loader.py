@@ -11,6 +11,7 @@ from ferry_operator.serving_loader import GATE, LOADER_CONTAINER, TOKEN_VOLUME, 
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import PodFacts, pod_facts, summarize
 from spec_cases import manifest
+from serving_cases import merged_weights_volume
 
 LOADER = LoaderSettings(image="ferry.local/ferry:dev", resources={"requests": {"cpu": "1"}})
 DIGEST = "sha256:" + "0" * 64
@@ -56,7 +57,8 @@ def applied(current: DeploymentFacts, patch: dict) -> DeploymentFacts:
                                      **patch["spec"]["template"]["metadata"]["annotations"]}.items() if v is not None}
     return replace(current, containers={**current.containers, c["name"]: c["args"]}, init_containers=inits,
                    readiness_gates=gates, template_annotations=annotations,
-                   probed=current.probed | ({c["name"]} if "readinessProbe" in c else set()))
+                   probed=current.probed | ({c["name"]} if "readinessProbe" in c else set()),
+                   weights_volume=merged_weights_volume(current, pod))
 
 
 def test_the_gate_wires_the_loader_the_gate_the_token_and_a_health_probe():

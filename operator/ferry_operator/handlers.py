@@ -32,6 +32,7 @@ from .api.types import GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeig
 from .api.validation import InvalidSpec, parse
 from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
+from .node_cache import FillNode, RemoveFill
 from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
 from .serving import OWNER_ANNOTATION, DeploymentFacts, deployment_facts
@@ -113,6 +114,7 @@ EXECUTOR: Executor | None = None
 APPS: Any = None  # kubernetes.client.AppsV1Api
 RBAC: Any = None  # kubernetes.client.RbacAuthorizationV1Api
 CUSTOM: Any = None  # kubernetes.client.CustomObjectsApi
+CORE: Any = None  # kubernetes.client.CoreV1Api (nodes a node cache prewarm selects)
 POLICIES: PolicyGuard | None = None  # Ferry's admission policies, enforced (checked before acting)
 WAKEUPS = Wakeups()
 # Reconciles are sync (the API client, forks): they run here, not on the event loop.
@@ -123,7 +125,7 @@ _reporters: set[tuple[str, str]] = set()  # (namespace, ServiceAccount) bound to
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global EXECUTOR, APPS, RBAC, CUSTOM, POOL, WRITERS, POLICIES
+    global EXECUTOR, APPS, RBAC, CUSTOM, CORE, POOL, WRITERS, POLICIES
     import kubernetes
 
     try:
@@ -139,6 +141,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     APPS = kubernetes.client.AppsV1Api()
     RBAC = kubernetes.client.RbacAuthorizationV1Api()
     CUSTOM = kubernetes.client.CustomObjectsApi()
+    CORE = kubernetes.client.CoreV1Api()
     POLICIES = PolicyGuard(kubernetes.client.AdmissionregistrationV1Api(), policy_names())
     EXECUTOR = make_executor()
     if hasattr(EXECUTOR, "on_exit"):
@@ -188,6 +191,12 @@ async def prepare_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> 
     return {(namespace, name): dict(body)}
 
 
+@kopf.index("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT, "ferry.dev/step": "cache-fill"})
+async def fill_jobs(namespace: str, labels: Any, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """The node cache's fill Jobs, by ModelWeights."""
+    return {(namespace, labels["ferry.dev/modelweights"]): dict(body)}
+
+
 @kopf.index("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
 async def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """The pods of Ferry's Jobs, by Job: their phases and termination messages."""
@@ -232,8 +241,8 @@ async def deployment_changed(namespace: str, name: str, **_: Any) -> None:
 class IndexView:
     """The kubernetes executor's view of Jobs and pods, from the indexes above."""
 
-    def __init__(self, job_index: Any, pod_index: Any) -> None:
-        self._jobs, self._pods = job_index, pod_index
+    def __init__(self, job_index: Any, pod_index: Any, fill_index: Any = None) -> None:
+        self._jobs, self._pods, self._fills = job_index, pod_index, fill_index
 
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:
         found = list(self._jobs.get((namespace, name), []))
@@ -241,6 +250,9 @@ class IndexView:
 
     def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
         return list(self._pods.get((namespace, job_name), []))
+
+    def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]:
+        return list(self._fills.get((namespace, mw_name), [])) if self._fills is not None else []
 
 
 def read_deployment(namespace: str, name: str, index: Any = None) -> DeploymentFacts | None:
@@ -306,7 +318,8 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
     key = (namespace, name)
     wake = WAKEUPS.register(key)
     loop = asyncio.get_running_loop()
-    indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods", "wirings")}
+    indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods", "wirings",
+                                          "fill_jobs")}
     patched: dict[str, Any] | None = None
     failures = 0
     try:
@@ -346,7 +359,7 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
     try:
         # kopf passes each index under its handler's name.
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
-            EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"])
+            EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"], indexes.get("fill_jobs"))
         result, patch, delay = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
                                                      indexes.get("serving_pods"), indexes.get("wirings"))
         wired = [d.get("name") for d in ((body.get("spec") or {}).get("serving") or {}).get("deployments") or []]
@@ -459,6 +472,8 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
         pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
         owners=deployment_owners(mw, deployments, wiring_index),
+        fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
+        prewarm_nodes=prewarm_nodes(mw),
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
     for step in steps:
@@ -483,6 +498,11 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         elif isinstance(action, RemoveArtifact):
             log.info("%s/%s: removing superseded artifact %s", namespace, name, action.artifact.uri)
             EXECUTOR.remove_artifact(mw, uid, action.artifact)
+        elif isinstance(action, FillNode):
+            log.info("%s/%s: filling the node cache on %s (round %d)", namespace, name, action.node, action.round)
+            EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round)
+        elif isinstance(action, RemoveFill):
+            EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
         elif isinstance(action, PatchDeployment):
             log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
             if action.reporter_service_account:
@@ -491,6 +511,16 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
                                              _content_type="application/strategic-merge-patch+json")
         done.append(action)
     return result.status, result.requeue_after
+
+
+def prewarm_nodes(mw: ModelWeights) -> list[str]:
+    """The nodes serving.nodeCache.prewarm.nodeSelector selects (a label-selected list: names only)."""
+    cache = mw.spec.serving.node_cache if mw.spec.serving else None
+    if cache is None or not cache.enabled or cache.prewarm is None or CORE is None:
+        return []
+    selector = ",".join(f"{k}={v}" for k, v in sorted(cache.prewarm.node_selector.items()))
+    listed = json.loads(CORE.list_node(label_selector=selector, _preload_content=False).data)
+    return sorted(n["metadata"]["name"] for n in listed.get("items") or [])
 
 
 class PoliciesNotEnforced(Exception):

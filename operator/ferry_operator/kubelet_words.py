@@ -27,3 +27,17 @@ def last_line(text: str | None) -> str:
     lines = [line.strip() for line in redact(text or "").splitlines() if line.strip()]
     line = lines[-1] if lines else ""
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
+
+
+# A line that reads as an error: an exception, a log line at ERROR/FATAL/CRITICAL, a Go panic.
+ERROR_LINE = re.compile(r"^\w*(Error|Exception|Exit)\b|\b(ERROR|FATAL|CRITICAL)\b|^panic:|Traceback|error:",
+                        re.IGNORECASE)
+
+
+def error_line(text: str | None) -> str:
+    """The last line of a message that reads as an error, else its last line (redacted, cut). A container's
+    stdout and stderr reach its log through two pipes, so an info line written before the error can land
+    after it; and vLLM logs shutdown lines after its error. The error is what a human needs."""
+    lines = [line.strip() for line in redact(text or "").splitlines() if line.strip()]
+    found = next((line for line in reversed(lines) if ERROR_LINE.search(line)), lines[-1] if lines else "")
+    return found if len(found) <= MAX_LINE else found[: MAX_LINE - 3] + "..."

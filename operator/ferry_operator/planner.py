@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
                         Progress, StepRetry)
 from .conditions import get_condition, now, phase_of, set_condition
-from .serving import DeploymentFacts, ServingError, deployment_patch, loader_applies
+from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, cache_plan
+from .serving import DeploymentFacts, ServingError, deployment_patch, loader_applies, node_cache_on
 from .serving_loader import LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .serving_diagnosis import WAITING_REASONS, PodTrouble
@@ -74,6 +75,10 @@ class Observed:
     pods: list[PodFacts] = field(default_factory=list)  # serving pods wired for this ModelWeights
     # Deployment name -> the ModelWeights that owns it (ownership.owner_of), for those several name.
     owners: dict[str, str] = field(default_factory=dict)
+    # serving.nodeCache: this object's fill Jobs (None: the executor runs none), and the nodes that
+    # serving.nodeCache.prewarm.nodeSelector selects.
+    fills: list[FillFacts] | None = None
+    prewarm_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class PatchDeployment:
 
 @dataclass
 class Plan:
-    actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]
+    actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact | FillNode | RemoveFill]
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
@@ -336,6 +341,12 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
     gated = bool(refs) and loader_applies(mw.spec, facts, loader)
     actions: list = []
     waiting: list[str] = []
+    cache = _node_cache(mw, observed, facts, draft)
+    if isinstance(cache, Plan):
+        return cache
+    if cache is not None:
+        actions += cache.actions
+        waiting += cache.notes
     for ref in refs:
         current = observed.deployments.get(ref.name)
         if current is None:
@@ -350,7 +361,9 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current, loader)
         except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
             return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
-        if patch is not None:
+        if patch is not None and cache is not None and cache.hold:
+            waiting.append(f"deployment {ref.name} waits: {cache.hold}")
+        elif patch is not None:
             actions.append(PatchDeployment(ref.name, patch, current.service_account if gated else None))
             waiting.append(f"deployment {ref.name} patched")
         elif not current.rolled_out:
@@ -380,6 +393,24 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
         return draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
     return _ready(mw, facts, draft, keep_previous)
+
+
+def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft) -> CachePlan | Plan | None:
+    """The node cache's fills and status.cache (serving.nodeCache); a stalled plan if it cannot be had."""
+    if not node_cache_on(mw.spec) or not facts.manifest_digest or not facts.uri.startswith("pvc://"):
+        draft.status.cache = None
+        # Turned off: its fill Jobs go (the entries stay on the nodes until evicted).
+        return CachePlan(actions=[RemoveFill(f.node, f.digest, f.round) for f in observed.fills or []])
+    if observed.fills is None:
+        return draft.stalled("NodeCacheUnavailable", "serving.nodeCache needs the kubernetes executor (the chart) "
+                             "and its node agent (nodeCache.enabled): the local executor has no nodes to cache "
+                             "on; remove serving.nodeCache", facts, ConditionType.SERVING_UPDATED)
+    cache = cache_plan(mw.spec, facts, observed.fills, observed.pods, observed.prewarm_nodes, draft.at)
+    prewarm = mw.spec.serving.node_cache.prewarm
+    if prewarm is not None and not observed.prewarm_nodes:
+        cache.notes.append(f"no node matches serving.nodeCache.prewarm.nodeSelector {prewarm.node_selector}")
+    draft.status.cache = cache.status
+    return cache
 
 
 def _serving_trouble(observed: Observed, facts: Artifact, refs: list) -> PodTrouble | None:

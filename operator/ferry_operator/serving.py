@@ -48,6 +48,7 @@ class DeploymentFacts:
     probed: frozenset[str] = frozenset()  # containers with a readinessProbe
     service_account: str = "default"
     replicas: int = 1
+    weights_volume: str = ""  # the source of the ferry-weights volume: persistentVolumeClaim, csi, hostPath, ""
 
 
 def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
@@ -75,6 +76,8 @@ def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
         probed=frozenset(c["name"] for c in containers if c.get("readinessProbe")),
         service_account=pod.get("serviceAccountName") or pod.get("serviceAccount") or "default",
         replicas=want,
+        weights_volume=next((k for v in pod.get("volumes") or [] if v.get("name") == VOLUME_NAME
+                             for k in v if k != "name"), ""),
     )
 
 
@@ -161,6 +164,23 @@ def volume_for(artifact_uri: str) -> tuple[dict[str, Any], dict[str, Any]] | Non
         volume = {"name": VOLUME_NAME, "hostPath": {"path": artifact_uri.removeprefix("file://"), "type": "Directory"}}
         return volume, {"name": VOLUME_NAME, "mountPath": MOUNT_PATH, "readOnly": True}
     return None
+
+
+CACHE_DRIVER = "cache.ferry.dev"
+
+
+def node_cache_on(spec: ModelWeightsSpec) -> bool:
+    return bool(spec.serving and spec.serving.node_cache and spec.serving.node_cache.enabled)
+
+
+def node_cache_volume(digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, volumeMount) of the node cache's entry of `digest`: a CSI ephemeral inline volume the node's
+    agent mounts read-only once every byte is verified (no hostPath in the pod: Pod Security restricted
+    allows it). `$retainKeys` drops the claim a previous wiring put under the same volume name, and the
+    entry is the artifact's own directory, so no subPath."""
+    volume = {"name": VOLUME_NAME, "$retainKeys": ["name", "csi"],
+              "csi": {"driver": CACHE_DRIVER, "readOnly": True, "volumeAttributes": {"digest": digest}}}
+    return volume, {"name": VOLUME_NAME, "mountPath": MOUNT_PATH, "readOnly": True, "subPath": None}
 
 
 def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
@@ -252,6 +272,8 @@ def deployment_patch(
         served = served_model_name(spec, shape.model, ferry_set if ours else None)
     gated = loader_applies(spec, artifact, loader)
     mounted = volume_for(artifact.uri)
+    if mounted is not None and node_cache_on(spec) and artifact.manifest_digest:
+        mounted = node_cache_volume(artifact.manifest_digest)
     local = gated and mounted is not None and spec.serving.local_copy
     served_from = LOCAL_PATH if local else model_location(artifact.uri)
     new_command, new_args = shape.wire(served_from, ferry_flags(spec, artifact.uri), served, ours)
@@ -265,7 +287,9 @@ def deployment_patch(
     have = current.init_containers.get(LOADER_CONTAINER)
     loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
                       and name in current.probed) if init else (have is None and GATE not in current.readiness_gates)
-    if (new_command == command and new_args == args and ferry_set == served and loader_current
+    # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
+    volume_current = mounted is None or (current.weights_volume == "csi") == ("csi" in mounted[0])
+    if (new_command == command and new_args == args and ferry_set == served and loader_current and volume_current
             and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
         return None
     # A container that fails leaves the tail of its log (vLLM's own error line)

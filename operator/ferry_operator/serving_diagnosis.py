@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .kubelet_words import MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, last_line
+from .kubelet_words import MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, error_line, last_line
 
 # Reasons (condition reasons and Event reasons: CamelCase).
 IMAGE_NOT_FOUND = "ImageNotFound"
@@ -153,7 +153,7 @@ def _crashed(pod: _Pod, cs: Mapping[str, Any]) -> PodTrouble | None:
         return PodTrouble(OOM_KILLED, f"{pod}: container {name} ran out of memory (OOMKilled, exit code {code}, "
                                       f"restarted {restarts} times): raise its resources.limits.memory in "
                                       f"deployment {pod.deployment or '?'}, or lower vLLM's memory use", True)
-    words = last_line(last.get("message"))
+    words = error_line(last.get("message"))
     said = f": {words}" if words else " and left no termination message"
     return PodTrouble(CRASH_LOOP, f"{pod}: container {name} keeps crashing (restarted {restarts} times; last exit "
                                   f"code {code}){said}; see kubectl logs -n {pod.namespace} {pod.name} -c {name} "

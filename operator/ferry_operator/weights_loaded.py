@@ -33,6 +33,9 @@ class PodFacts:
     loader_waiting: str = ""  # the init container's waiting reason (CrashLoopBackOff, ImagePullBackOff)
     deployment: str = ""  # the Deployment that made it
     trouble: PodTrouble | None = None  # what keeps it from serving (serving_diagnosis.py)
+    node: str = ""  # where it was scheduled ("" while it is not)
+    awaiting_volumes: bool = False  # scheduled, and no container started: the kubelet is still mounting
+    created: datetime | None = None
 
 
 def _time(text: str | None) -> datetime | None:
@@ -60,7 +63,19 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         message=(gate or {}).get("message", ""), load_seconds=seconds,
         terminating=bool(meta.get("deletionTimestamp")), loader_waiting=waiting,
         deployment=deployment_of(body), trouble=pod_trouble(body),
+        node=(body.get("spec") or {}).get("nodeName") or "", awaiting_volumes=_awaiting_volumes(status),
+        created=_time(meta.get("creationTimestamp")),
     )
+
+
+def _awaiting_volumes(status: Mapping[str, Any]) -> bool:
+    """No container (init containers included) has started, and none waits for anything but its volumes
+    (ContainerCreating): what a pod whose node cache mount is refused looks like."""
+    states = [s.get("state") or {} for s in [*(status.get("initContainerStatuses") or []),
+                                             *(status.get("containerStatuses") or [])]]
+    if any(st.get("running") or st.get("terminated") for st in states):
+        return False
+    return all((st.get("waiting") or {}).get("reason", "ContainerCreating") == "ContainerCreating" for st in states)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "e2e" / "s3"))
 sys.path.insert(0, str(REPO / "tests" / "node"))
 
+import localcluster  # noqa: E402
 import localnode  # noqa: E402
 from cluster_support import Kube  # noqa: E402
-from node_support import NAMESPACE, cluster_write_grants, install_chart, uninstall_chart  # noqa: E402
+from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, cluster_write_grants, install_chart,  # noqa: E402
+                          uninstall_chart)
 from s3server import S3Server  # noqa: E402
 from checkpoints import LLAMA3, write_checkpoint  # noqa: E402
 
@@ -48,7 +50,14 @@ def chart_operator(node: Kube, images) -> dict[str, str]:
     """`helm install` of the chart: the operator as a pod on the real node."""
     # Not "ferry"/"ferry-system": tests/test_chart.py installs that one.
     release, namespace = "ferry-node", "ferry-node-system"
-    install_chart(node, release, namespace, NAMESPACE, images["ferry"]["ref"])
+    paths = localcluster.node_paths()
+    # The node cache agent (issue 17) on the real node: its kubelet directory, a cache directory of the
+    # node's, the node kubelet's evictionHard (1%, e2e/localnode.py), small watermarks, short mount waits.
+    install_chart(node, release, namespace, NAMESPACE, images["ferry"]["ref"],
+                  "nodeCache.enabled=true", f"nodeCache.kubeletDir={paths.kubelet_root}",
+                  f"nodeCache.hostPath={paths.root / 'node-cache'}", f"nodeCache.high={NODE_CACHE_HIGH}",
+                  f"nodeCache.low={NODE_CACHE_LOW}", "nodeCache.kubeletEvictionHard=1%",
+                  "nodeCache.mountWaitSeconds=5")
     # The whole node e2e runs under the namespaced install: write verbs in Roles of the watched namespace only.
     writes = cluster_write_grants(node, release, namespace)
     assert not writes, f"the namespaced install grants write verbs cluster-wide: {writes}"

@@ -14,6 +14,9 @@ from s3server import S3Server
 CHART = Path(__file__).resolve().parents[2] / "charts" / "ferry"
 # The namespace the chart's operator watches; every ModelWeights of these tests lives there.
 NAMESPACE = "node-e2e"
+# The node cache's watermarks in the session's chart: two one-rank entries of the tests' TP 2 artifact
+# (about 1.4 MB each) fit, three do not (test_node_cache_on_node.py).
+NODE_CACHE_HIGH, NODE_CACHE_LOW = 3_500_000, 3_000_000
 
 
 def modelweights(name: str, uri: str, fmt: dict, secret: str | None = None, **storage) -> dict:
@@ -146,3 +149,33 @@ def wait_stalled(kube: Kube, namespace: str, name: str, timeout: float = 120) ->
         c = condition(mw_status(kube, namespace, name), "Stalled")
         return c if c.get("status") == "True" else None
     return wait_for(stalled, f"{name} Stalled", timeout)
+
+
+# vLLM's stand-in: refuses to start without the artifact, then answers /health.
+STANDIN = """#!/bin/sh
+test -f /ferry/weights/ferry-manifest.json || { echo "no artifact at /ferry/weights" >&2; exit 1; }
+echo "vllm $*"
+mkdir -p /tmp/www && echo ok > /tmp/www/health
+exec httpd -f -p 8000 -h /tmp/www
+"""
+
+
+def pods_of(kube, app: str) -> list[dict]:
+    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"app={app}")["items"]
+
+
+def standin_deployment(kube, name: str) -> None:
+    kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-vllm", "namespace": NAMESPACE},
+                "data": {"vllm": STANDIN}})
+    busybox = localcluster.built_images()["busybox"]["ref"]
+    labels = {"app": name}
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                         "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                         "progressDeadlineSeconds": 600,
+                         "template": {"metadata": {"labels": labels}, "spec": {
+                             "containers": [{"name": "vllm", "image": busybox, "imagePullPolicy": "Never",
+                                             "command": ["env", "PATH=/standin:/bin", "vllm", "serve", "tiny-llama"],
+                                             "volumeMounts": [{"name": "standin", "mountPath": "/standin"}]}],
+                             "volumes": [{"name": "standin", "configMap": {"name": f"{name}-vllm",
+                                                                           "defaultMode": 0o755}}]}}}})

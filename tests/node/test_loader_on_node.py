@@ -17,47 +17,17 @@ import pytest
 import localcluster
 import localnode
 from cluster_support import wait_for
-from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, s3_secret, unique, upload_dir,
-                          wait_ready)
+from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, pods_of, s3_secret,
+                          standin_deployment, unique, upload_dir, wait_ready)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 GATE = "ferry.dev/weights-loaded"
-# vLLM's stand-in: refuses to start without the artifact, then answers /health.
-STANDIN = """#!/bin/sh
-test -f /ferry/weights/ferry-manifest.json || { echo "no artifact at /ferry/weights" >&2; exit 1; }
-echo "vllm $*"
-mkdir -p /tmp/www && echo ok > /tmp/www/health
-exec httpd -f -p 8000 -h /tmp/www
-"""
-
-
-def pods_of(kube, app: str) -> list[dict]:
-    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"app={app}")["items"]
-
-
 def pod_condition(pod: dict, kind: str) -> dict:
     return next((c for c in pod["status"].get("conditions", []) if c["type"] == kind), {})
 
 
 def when(c: dict) -> datetime:
     return datetime.fromisoformat(c["lastTransitionTime"].replace("Z", "+00:00"))
-
-
-def standin_deployment(kube, name: str) -> None:
-    kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-vllm", "namespace": NAMESPACE},
-                "data": {"vllm": STANDIN}})
-    busybox = localcluster.built_images()["busybox"]["ref"]
-    labels = {"app": name}
-    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NAMESPACE},
-                "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                         "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                         "progressDeadlineSeconds": 600,
-                         "template": {"metadata": {"labels": labels}, "spec": {
-                             "containers": [{"name": "vllm", "image": busybox, "imagePullPolicy": "Never",
-                                             "command": ["env", "PATH=/standin:/bin", "vllm", "serve", "tiny-llama"],
-                                             "volumeMounts": [{"name": "standin", "mountPath": "/standin"}]}],
-                             "volumes": [{"name": "standin", "configMap": {"name": f"{name}-vllm",
-                                                                           "defaultMode": 0o755}}]}}}})
 
 
 def loader_patches(pod: str) -> list[dict]:

@@ -32,6 +32,8 @@ PRINTER_COLUMNS = [
     {"name": "Size", "type": "string", "jsonPath": ".status.artifact.size"},
     {"name": "Loaded", "type": "string", "jsonPath": ".status.loaded.summary",
      "description": "Serving pods that verified and loaded the current artifact"},
+    {"name": "Cached", "type": "string", "jsonPath": ".status.cache.summary", "priority": 0,
+     "description": "Nodes holding the artifact in their node cache (and fills under way)"},
     {"name": "Progress", "type": "integer", "jsonPath": ".status.progress.percent", "description": "Percent of the running step"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -395,7 +395,40 @@ def _first_duplicate(deployments: list[DeploymentRef]) -> int | None:
     return None
 
 
+class NodeCachePrewarm(Model):
+    """Nodes to fill before the serving Deployments roll onto a new artifact."""
+
+    node_selector: dict[str, str] = Field(
+        min_length=1, max_length=16,
+        description="Labels of the nodes to fill (e.g. a GPU pool's), as a pod's nodeSelector reads them.",
+    )
+    wait: bool = Field(
+        True,
+        description="Patch the Deployments only once every selected node holds the artifact, so a rollout "
+                    "reads node disk only; false: fill them alongside the rollout.",
+    )
+
+
+class NodeCache(Model):
+    """Serve the artifact from node-local disk through the chart's node cache agent (nodeCache.enabled)."""
+
+    enabled: bool = Field(
+        False,
+        description="Serving pods mount the artifact read-only from the node they run on (the CSI driver "
+                    "cache.ferry.dev) instead of the claim; the operator runs one fill Job per node that needs "
+                    "it, which reads the claim with the worker's rights, and the agent verifies every byte "
+                    "before any pod mounts it.",
+    )
+    prewarm: NodeCachePrewarm | None = Field(None, description="Fill selected nodes before the rollout.")
+
+
 SERVING_RULES = [
+    Rule(
+        "!(has(self.nodeCache) && self.nodeCache.enabled && self.localCopy)",
+        "nodeCache and localCopy both serve the weights from node disk: use one",
+        lambda s: not (s.node_cache and s.node_cache.enabled and s.local_copy),
+        ".nodeCache",
+    ),
     Rule(
         "!self.localCopy || self.readinessGate",
         "localCopy needs readinessGate: the loader makes the copy",
@@ -436,6 +469,8 @@ class Serving(Model):
         description="The loader also copies the pod's files to node-local disk (an emptyDir) and vLLM loads them "
                     "from there: for network filesystems slower than local disk. Needs readinessGate.",
     )
+    node_cache: NodeCache | None = Field(
+        None, description="Serve from a verified copy on each node's own disk, filled once per node and digest.")
 
     @model_validator(mode="after")
     def _rules(self) -> "Serving":
@@ -452,6 +487,10 @@ class DeletionPolicy(str, Enum):
     DELETE = "Delete"
 
 
+def _node_cache(s: "ModelWeightsSpec") -> bool:
+    return bool(s.serving and s.serving.node_cache and s.serving.node_cache.enabled)
+
+
 def _has_pvc(s: "ModelWeightsSpec") -> bool:
     return s.storage is not None and s.storage.pvc is not None
 
@@ -461,6 +500,15 @@ def _has_s3(s: "ModelWeightsSpec") -> bool:
 
 
 SPEC_RULES = [
+    Rule(
+        "!(has(self.serving) && has(self.serving.nodeCache) && self.serving.nodeCache.enabled)"
+        " || self.format.type in ['safetensors', 'sharded_state']",
+        "the node cache is filled from the artifact's claim: format.type must be safetensors or sharded_state "
+        "(artifacts in S3 are streamed, not cached on nodes yet)",
+        lambda s: not _node_cache(s) or s.format.type in (FormatType.SAFETENSORS.value,
+                                                           FormatType.SHARDED_STATE.value),
+        ".serving.nodeCache",
+    ),
     Rule(
         "self.format.type != 'tensorizer' || (has(self.storage) && has(self.storage.s3))",
         "required when format.type is tensorizer (tensorized artifacts are written to S3)",
@@ -642,6 +690,18 @@ class LoadedReplicas(Model):
     p50_load_seconds: float | None = Field(None, ge=0, description="Median seconds the loaded pods' loader ran.")
 
 
+class NodeCacheStatus(Model):
+    """Where the current artifact is held on node disk (serving.nodeCache)."""
+
+    digest: str = Field("", max_length=80, description="The manifest digest the node cache entries are keyed by.")
+    warm_nodes: int = Field(0, ge=0, description="Nodes whose fill of this digest completed.")
+    filling_nodes: int = Field(0, ge=0, description="Nodes with a fill under way.")
+    nodes: list[Annotated[str, Field(max_length=253, description="A node's name.")]] = Field(
+                             default_factory=list, max_length=64,
+                             description="The warm nodes, by name (the first 64).")
+    summary: str = Field("", max_length=32, description="Warm nodes, and fills under way: e.g. 3 (+1).")
+
+
 class StepRetry(Model):
     """The retries of a failed prepare step (exponential backoff, bounded)."""
 
@@ -674,6 +734,8 @@ class ModelWeightsStatus(Model):
     retry: StepRetry | None = Field(None, description="Retries of the failed step, while there is one.")
     loaded: LoadedReplicas | None = Field(
         None, description="Serving pods that loaded the current artifact (serving.readinessGate).")
+    cache: NodeCacheStatus | None = Field(
+        None, description="Nodes holding the current artifact in their node cache (serving.nodeCache).")
     last_handled_requested_at: str | None = Field(
         None, max_length=64,
         description="The last value of the ferry.dev/requested-at annotation the operator acted on (set it to "

@@ -27,7 +27,7 @@ from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
 from ..locations import claim_artifact_uri, claim_name, ferry_s3_artifacts, is_ferry_s3_artifact
 from ..steps import Step, prepare_steps
-from . import diagnosis, jobs
+from . import cache_fill, diagnosis, jobs
 
 
 def _create(fn, *args: Any) -> None:
@@ -58,6 +58,7 @@ def _makes_artifact(mw: ModelWeights, step: Step) -> bool:
 class ClusterView(Protocol):
     def job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]: ...
+    def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]: ...
 
 
 class KubernetesExecutor:
@@ -70,13 +71,16 @@ class KubernetesExecutor:
         self.storage = client.StorageV1Api()
         self._identities: set[str] = set()
 
-    def start(self, mw: ModelWeights, uid: str, step: Step) -> None:
-        ns = mw.metadata.namespace
+    def _ensure_identity(self, ns: str) -> None:
         if ns not in self._identities:
             sa, binding = jobs.worker_identity(ns, self.settings)
             _create(self.core.create_namespaced_service_account, ns, sa)
             _create(self.rbac.create_namespaced_role_binding, ns, binding)
             self._identities.add(ns)
+
+    def start(self, mw: ModelWeights, uid: str, step: Step) -> None:
+        ns = mw.metadata.namespace
+        self._ensure_identity(ns)
         pvc = jobs.pvc_manifest(mw, uid)
         if pvc is not None:
             _create(self.core.create_namespaced_persistent_volume_claim, ns, pvc)
@@ -126,6 +130,33 @@ class KubernetesExecutor:
         if state.phase == StepPhase.RUNNING:
             state = replace(state, progress=diagnosis.reported_progress(job, pods))
         return state
+
+    # -- the node cache's fill Jobs (serving.nodeCache) ---------------------------------------------------------
+    def fills(self, mw: ModelWeights) -> list:
+        """This object's fill Jobs (those it owns), as node_cache.FillFacts."""
+        ns, name = mw.metadata.namespace, mw.metadata.name
+        if self.view is not None:
+            found = self.view.fill_jobs(ns, name)
+        else:
+            selector = f"{jobs.LABEL_MW}={name},{jobs.LABEL_STEP}={cache_fill.FILL_STEP}"
+            found = list((_read(self.batch.list_namespaced_job, ns, label_selector=selector) or {}).get("items") or [])
+        owned = [j for j in found if self._not_ours(mw, j) is None and not j["metadata"].get("deletionTimestamp")]
+        if self.view is not None:
+            return [cache_fill.fill_facts(j, self.view.pods(ns, j["metadata"]["name"])) for j in owned]
+        return [cache_fill.fill_facts(j, []) for j in owned]
+
+    def fill(self, mw: ModelWeights, uid: str, node: str, artifact: Artifact, round_: int) -> None:
+        self._ensure_identity(mw.metadata.namespace)
+        _create(self.batch.create_namespaced_job, mw.metadata.namespace,
+                cache_fill.fill_job_manifest(mw, uid, node, artifact, round_, self.settings))
+
+    def remove_fill(self, mw: ModelWeights, node: str, digest: str, round_: int) -> None:
+        try:
+            self.batch.delete_namespaced_job(cache_fill.fill_job_name(mw, node, digest, round_),
+                                             mw.metadata.namespace, propagation_policy="Background")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def _claim_not_owned(self, mw: ModelWeights) -> StepState | None:
         """A claim Ferry is to create (storage.pvc.size) that already exists and is

@@ -14,7 +14,8 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
 
     cache = subparsers.add_parser("cache", help="a node's weight cache: fill, check, list, pin, evict, agent",
                                   description="One verified copy per artifact (manifest digest) under --root.")
-    cache.add_argument("--root", type=Path, required=True, help="the cache directory (node-local disk)")
+    cache.add_argument("--root", type=Path, default=Path("/var/lib/ferry/cache"),
+                       help="the cache directory on node-local disk (default: the chart's, /var/lib/ferry/cache)")
     cache.add_argument("--high", type=size_or_share, default="90%", metavar="SIZE|N%",
                        help="high watermark: a fill that would pass it evicts first, or is refused (default: "
                             "90%% of the filesystem)")
@@ -88,9 +89,12 @@ def open_store(args: argparse.Namespace):
 
 def _cache(args: argparse.Namespace) -> int:
     if args.action == "fill-slot":
+        from ..results import report_result
         from .fill_slot import fill_slot
 
-        print(fill_slot(args.slot, args.source, args.digest, args.ranks))
+        outcome = fill_slot(args.slot, args.source, args.digest, args.ranks)
+        print(outcome)
+        report_result(outcome)  # the operator reads "already complete" as the node's proof of warmth
         return 0
     from .store import cache_key
 

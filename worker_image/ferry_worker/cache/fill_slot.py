@@ -14,13 +14,16 @@ from ..manifest import MANIFEST_NAME, Manifest
 from .store import _is_digest, _source_manifest_bytes, copy_into, keep_verified
 
 log = logging.getLogger(__name__)
+# What a fill pod says when the agent mounted the published entry itself: the entry is on the node,
+# verified (the operator's proof that a node is warm: node_cache.py).
+ALREADY_COMPLETE = "cache entry already complete"
 
 
 def fill_slot(slot: Path, source: Path, digest: str, ranks: list[int] | None) -> str:
     """Fill `slot` from `source`; resumes what a killed fill left. Returns a line saying what it did."""
     done = slot / MANIFEST_NAME
     if done.is_file() and _is_digest(done.read_bytes(), digest):
-        return f"{slot}: already complete"
+        return ALREADY_COMPLETE
     manifest_bytes = _source_manifest_bytes(source, digest)
     wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
     kept = keep_verified(slot, wanted, digest)

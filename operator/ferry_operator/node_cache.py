@@ -1,0 +1,128 @@
+"""The node cache's part of a plan (serving.nodeCache). Pure.
+
+Which nodes need the artifact: those where a wired pod of the current digest
+waits for its volumes (scheduled, nothing started yet), and the prewarm
+nodes. Each gets fill Jobs in rounds (executors/cache_fill.py): a round that
+filled is followed at once by one that finds the entry published (the
+agent publishes it when the kubelet unmounts the finished pod's slot, a
+moment after the Job completes); that one confirms the node is warm. A pod
+that still waits on a warm node long after the fill means the entry went
+(evicted, or removed as corrupt): a new round fills again. That rule may
+fire once too often (a very large entry whose mount is still verifying):
+the extra round finds the entry complete and ends at once. A failed round
+is retried after FILL_RETRY and said in the status meanwhile, with its
+pod's reason. Only each node's latest round is kept; fill Jobs of other
+digests (an earlier artifact) are removed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from .api.types import Artifact, ModelWeightsSpec, NodeCacheStatus
+from .weights_loaded import PodFacts
+
+REFILL_AFTER = timedelta(minutes=2)  # a pod still waiting this long after its node's fill ended
+FILL_RETRY = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class FillFacts:
+    """A fill Job as the executor reads it."""
+
+    node: str
+    digest: str
+    phase: str  # Running, Succeeded, Failed
+    finished_at: datetime | None = None
+    message: str = ""  # why it failed (the pod's own words)
+    round: int = 0
+    confirmed: bool = False  # Succeeded, and its pod found the entry already published: the node is warm
+
+
+@dataclass(frozen=True)
+class FillNode:
+    node: str
+    artifact: Artifact
+    round: int = 0
+
+
+@dataclass(frozen=True)
+class RemoveFill:
+    """Remove a fill Job: of another digest, or an earlier round."""
+
+    node: str
+    digest: str
+    round: int = 0
+
+
+@dataclass
+class CachePlan:
+    actions: list[FillNode | RemoveFill] = field(default_factory=list)
+    status: NodeCacheStatus | None = None
+    hold: str | None = None  # why the Deployments must not be patched yet (prewarm.wait)
+    notes: list[str] = field(default_factory=list)  # what the Reconciling message should say
+
+
+def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts], pods: list[PodFacts],
+               prewarm_nodes: list[str], at: datetime) -> CachePlan:
+    digest = artifact.manifest_digest or ""
+    latest: dict[str, FillFacts] = {}
+    for f in sorted((f for f in fills if f.digest == digest), key=lambda f: f.round):
+        latest[f.node] = f
+    out = CachePlan(actions=[RemoveFill(f.node, f.digest, f.round) for f in fills
+                             if f.digest != digest or f is not latest.get(f.node)])
+    waiting = _waiting_since(pods, digest)
+    filling: set[str] = set()
+    for node in sorted(set(prewarm_nodes) | set(waiting) | set(latest)):
+        fill = latest.get(node)
+        again = _next_round(node, fill, waiting, at, out.notes)
+        if again is not None:
+            out.actions.append(FillNode(node, artifact, again))
+        if again is not None or (fill is not None and not fill.confirmed and fill.phase != "Failed"):
+            filling.add(node)
+    warm = sorted(n for n, f in latest.items() if f.confirmed and n not in filling)
+    summary = f"{len(warm)}" + (f" (+{len(filling)})" if filling else "")
+    out.status = NodeCacheStatus(digest=digest, warm_nodes=len(warm), filling_nodes=len(filling),
+                                 nodes=warm[:64], summary=summary)
+    out.hold = _prewarm_hold(spec, prewarm_nodes, warm)
+    return out
+
+
+def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime], at: datetime,
+                notes: list[str]) -> int | None:
+    """The fill round to start on `node` now, if any."""
+    if fill is None:
+        return 0
+    if fill.phase == "Running":
+        return None
+    if fill.phase == "Failed":
+        notes.append(f"the node cache fill on {node} failed: {fill.message or 'no reason given'}")
+        return fill.round + 1 if fill.finished_at is None or at - fill.finished_at >= FILL_RETRY else None
+    if not fill.confirmed:
+        return fill.round + 1  # it filled: the next round finds the entry published, or waits for it
+    if node in waiting and fill.finished_at is not None and waiting[node] - fill.finished_at >= REFILL_AFTER:
+        notes.append(f"a pod on {node} waits for the node cache entry its fill made: filling again")
+        return fill.round + 1
+    return None
+
+
+def _waiting_since(pods: list[PodFacts], digest: str) -> dict[str, datetime]:
+    """Node -> when the newest pod of `digest` that waits for its volumes there was created."""
+    out: dict[str, datetime] = {}
+    for p in pods:
+        if p.digest == digest and p.node and p.awaiting_volumes and not p.terminating and p.created is not None:
+            out[p.node] = max(out.get(p.node, p.created), p.created)
+    return out
+
+
+def _prewarm_hold(spec: ModelWeightsSpec, prewarm_nodes: list[str], warm: list[str]) -> str | None:
+    prewarm = spec.serving.node_cache.prewarm if spec.serving and spec.serving.node_cache else None
+    if prewarm is None or not prewarm.wait:
+        return None
+    if not prewarm_nodes:
+        return None  # nothing to wait for (said in the status by the caller's notes)
+    cold = [n for n in sorted(prewarm_nodes) if n not in warm]
+    if not cold:
+        return None
+    return (f"prewarming the node cache before the rollout: {len(prewarm_nodes) - len(cold)}/{len(prewarm_nodes)} "
+            f"nodes hold the artifact (waiting for {', '.join(cold[:3])}{' ...' if len(cold) > 3 else ''})")

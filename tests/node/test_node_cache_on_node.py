@@ -1,0 +1,342 @@
+"""The node cache on the real node (issue 17): the chart's agent registered
+with the real kubelet as the CSI driver cache.ferry.dev, fill pods filling
+entries from a real claim, serving pods in a Pod Security `restricted`
+namespace mounting them read-only with no claim of their own, a flipped byte
+refused by the kubelet's mount with the file named, the agent SIGKILLed while
+a fill pod holds its slot, and eviction under the chart's small watermarks.
+
+The artifact is a real TP 2 sharded_state artifact the chart's operator
+prepared from the S3 server; a second one (another checkpoint) is written
+onto the same claim so that three entries of one size exist. The last test
+is the user's path: a ModelWeights with serving.nodeCache, the operator
+prewarming the node, wiring the Deployment and running its fill Jobs."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import localcluster
+import localnode
+from checkpoints import LLAMA3, write_checkpoint
+from cluster_support import wait_for
+from ferry_worker.cache.store import cache_key
+from ferry_worker.load.selection import select
+from ferry_worker.manifest import manifest_digest, read_manifest
+from ferry_worker.shard.job import ShardJob
+from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, claim_dir, modelweights, pods_of, s3_secret,
+                          standin_deployment, unique, upload_dir, wait_ready)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node]
+DRIVER = "cache.ferry.dev"
+RESTRICTED_NS = "cache-restricted"
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+@dataclass(frozen=True)
+class Artifact:
+    claim: str
+    path: str  # on the claim
+    host: Path  # the same directory, seen from the host
+
+    @property
+    def digest(self) -> str:
+        return manifest_digest(self.host)
+
+    def key(self, ranks: list[int] | None = None) -> str:
+        return cache_key(self.digest, ranks)
+
+    def nbytes(self, ranks: list[int] | None = None) -> int:
+        return sum(e.size for e in select(read_manifest(self.host), ranks).entries)
+
+
+def cache_dir() -> Path:
+    """The agent's cache on the host (the chart's nodeCache.hostPath; see conftest)."""
+    return localcluster.node_paths().root / "node-cache"
+
+
+@pytest.fixture(scope="module")
+def artifacts(node, chart_operator, node_s3, checkpoint, tmp_path_factory) -> dict[str, Artifact]:
+    name = unique("cached")
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    node.apply(modelweights(name, f"s3://{name}/tiny-llama",
+                            {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"},
+                            secret=f"{name}-s3"))
+    status = wait_ready(node, NAMESPACE, name)
+    claim, _, path = status["artifact"]["uri"].removeprefix("pvc://").partition("/")
+    a = Artifact(claim, path, claim_dir(node, claim) / path)
+    assert a.digest == status["artifact"]["manifestDigest"]
+    # A second artifact on the same claim: another checkpoint, sharded here, readable by the pods' uid.
+    other = tmp_path_factory.mktemp("other") / "ckpt"
+    write_checkpoint(other, LLAMA3, seed=7)
+    b_host = claim_dir(node, claim) / "other-artifact"
+    ShardJob.prepare(other, b_host, tp=2).run()
+    for p in [b_host, *b_host.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    b = Artifact(claim, "other-artifact", b_host)
+    # The chart's watermarks are sized for these: two one-rank entries fit under the high mark, three do not.
+    one_rank = max(a.nbytes([0]), a.nbytes([1]), b.nbytes([0]))
+    assert 2 * one_rank <= NODE_CACHE_LOW < NODE_CACHE_HIGH < 3 * min(a.nbytes([0]), b.nbytes([0]))
+    assert a.nbytes() <= NODE_CACHE_HIGH
+    node.kubectl("create", "namespace", RESTRICTED_NS, check=False)
+    node.kubectl("label", "--overwrite", "namespace", RESTRICTED_NS, "pod-security.kubernetes.io/enforce=restricted")
+    yield {"a": a, "b": b}
+    node.kubectl("delete", "namespace", RESTRICTED_NS, "--wait=false", check=False)
+
+
+# -- pods ------------------------------------------------------------------------------------------------------
+def fill_pod(kube, image: str, name: str, art: Artifact, ranks: list[int] | None = None,
+             barrier: str | None = None) -> str:
+    """A fill pod as the operator will launch it: the claim read-only with the pod's own rights, the slot
+    from the agent, `ferry cache fill-slot`. With `barrier`, it waits for that file on the claim first."""
+    attrs = {"digest": art.digest, "mode": "fill", "bytes": str(art.nbytes(ranks))}
+    command = f"ferry cache fill-slot --slot /slot --source /claim/{art.path} --digest {art.digest}"
+    if ranks is not None:
+        attrs["ranks"] = ",".join(map(str, ranks))
+        command += f" --ranks {attrs['ranks']}"
+    if barrier:
+        command = f"echo waiting; until [ -e /claim/{barrier} ]; do sleep 0.2; done; {command}"
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE}, "spec": {
+        "restartPolicy": "Never", "securityContext": POD_SECURITY, "automountServiceAccountToken": False,
+        "containers": [{"name": "fill", "image": image, "imagePullPolicy": "Never", "command": ["sh", "-c", command],
+                        "securityContext": CONTAINER_SECURITY,
+                        "volumeMounts": [{"name": "claim", "mountPath": "/claim", "readOnly": True},
+                                         {"name": "slot", "mountPath": "/slot"}]}],
+        "volumes": [{"name": "claim", "persistentVolumeClaim": {"claimName": art.claim, "readOnly": True}},
+                    {"name": "slot", "csi": {"driver": DRIVER, "volumeAttributes": attrs}}]}})
+    return name
+
+
+def serve_pod(kube, name: str, art: Artifact, ranks: list[int] | None = None) -> str:
+    """A serving pod in the restricted namespace: no claim, only the entry, read-only."""
+    attrs = {"digest": art.digest, **({"ranks": ",".join(map(str, ranks))} if ranks is not None else {})}
+    busybox = localcluster.built_images()["busybox"]["ref"]
+    script = ("cat /weights/ferry-manifest.json > /dev/null || exit 1; "
+              "if touch /weights/probe 2>/dev/null; then echo WRITABLE; else echo READ-ONLY; fi; exec sleep 3600")
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": RESTRICTED_NS}, "spec": {
+        "securityContext": POD_SECURITY, "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 0,
+        "containers": [{"name": "serve", "image": busybox, "imagePullPolicy": "Never", "command": ["sh", "-c", script],
+                        "securityContext": CONTAINER_SECURITY,
+                        "volumeMounts": [{"name": "weights", "mountPath": "/weights", "readOnly": True}]}],
+        "volumes": [{"name": "weights", "csi": {"driver": DRIVER, "readOnly": True, "volumeAttributes": attrs}}]}})
+    return name
+
+
+def phase(kube, namespace: str, name: str) -> str:
+    return kube.kubectl("get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}", check=False).stdout
+
+
+def wait_phase(kube, namespace: str, name: str, wanted: str, timeout: float = 120) -> None:
+    def reached():
+        now = phase(kube, namespace, name)
+        if now == "Failed" and wanted != "Failed":
+            logs = kube.kubectl("logs", name, "-n", namespace, check=False).stdout
+            raise AssertionError(f"pod {name} failed:\n{logs}")
+        return now == wanted
+    wait_for(reached, f"pod {namespace}/{name} {wanted}", timeout)
+
+
+def mount_failures(kube, namespace: str, name: str) -> list[str]:
+    events = kube.get_json("events", "-n", namespace, "--field-selector",
+                           f"involvedObject.name={name},reason=FailedMount")["items"]
+    return [e["message"] for e in events]
+
+
+def delete_pods(kube, namespace: str, *names: str) -> None:
+    kube.kubectl("delete", "pod", *names, "-n", namespace, "--wait=true", "--timeout=90s", check=False, timeout=120)
+
+
+def agent_pod(kube, namespace: str) -> dict:
+    pods = kube.get_json("pods", "-n", namespace)["items"]
+    (pod,) = [p for p in pods if any(o["kind"] == "DaemonSet" and o["name"].endswith("-node-cache")
+                                     for o in p["metadata"].get("ownerReferences", []))]
+    return pod
+
+
+def agent_log(kube, namespace: str, previous: bool = False) -> str:
+    name = agent_pod(kube, namespace)["metadata"]["name"]
+    return kube.kubectl("logs", name, "-n", namespace, *(["--previous"] if previous else []), check=False).stdout
+
+
+def published(key: str) -> bool:
+    return (cache_dir() / "entries" / key).is_dir()
+
+
+def clear_cache() -> None:
+    """Every unmounted entry removed, as `ferry cache evict --digest` would (from the host: the test owns it)."""
+    for entry in (cache_dir() / "entries").iterdir():
+        if not any((cache_dir() / "holders" / entry.name).glob("*")):
+            for p in [entry, *entry.rglob("*")]:
+                p.chmod(0o755 if p.is_dir() else 0o644)
+            shutil.rmtree(entry)
+            (cache_dir() / "meta" / f"{entry.name}.json").unlink(missing_ok=True)
+
+
+# -- tests -----------------------------------------------------------------------------------------------------
+def test_the_kubelet_registers_the_agent_as_a_csi_driver(node, chart_operator):
+    def registered():
+        csinode = node.get_json("csinode", localnode.NODE_NAME)
+        return [d for d in csinode["spec"].get("drivers") or [] if d["name"] == DRIVER]
+    (driver,) = wait_for(registered, f"the CSINode to list {DRIVER}", timeout=120)
+    assert driver["nodeID"] == localnode.NODE_NAME
+    pod = agent_pod(node, chart_operator["namespace"])
+    assert pod["spec"].get("automountServiceAccountToken") is False
+    assert not any(v.get("projected") for v in pod["spec"]["volumes"])  # no API token in the agent
+
+
+def test_one_fill_serves_two_restricted_pods_read_only(node, chart_operator, artifacts):
+    a, key = artifacts["a"], artifacts["a"].key()
+    clear_cache()
+    filler = fill_pod(node, chart_operator["image"], unique("fill"), a)
+    wait_phase(node, NAMESPACE, filler, "Succeeded")
+    wait_for(lambda: published(key), "the agent to publish the entry once the fill pod ended", timeout=60)
+    inode = (cache_dir() / "entries" / key).stat().st_ino
+    pods = [serve_pod(node, unique("serve"), a) for _ in range(2)]
+    for pod in pods:
+        wait_phase(node, RESTRICTED_NS, pod, "Running")
+        wait_for(lambda: "READ-ONLY" in node.kubectl("logs", pod, "-n", RESTRICTED_NS, check=False).stdout,
+                 f"{pod} to find its weights read-only")
+    assert (cache_dir() / "entries" / key).stat().st_ino == inode  # the same entry, not filled again
+    assert sorted(p.name for p in (cache_dir() / "holders" / key).iterdir()).__len__() == 2
+    log = agent_log(node, chart_operator["namespace"])
+    assert sum(f"fill slot of {key}" in line for line in log.splitlines()) == 1, log
+    for pod in pods:
+        assert f"serving (read-only) {key} for pod {RESTRICTED_NS}/{pod}" in log
+    delete_pods(node, RESTRICTED_NS, *pods)
+    wait_for(lambda: not any((cache_dir() / "holders" / key).iterdir()), "the entry released by both pods")
+
+
+def test_a_flipped_byte_fails_the_mount_naming_the_file_until_refilled(node, chart_operator, artifacts):
+    a, key = artifacts["a"], artifacts["a"].key([1])
+    clear_cache()
+    wait_phase(node, NAMESPACE, fill_pod(node, chart_operator["image"], unique("fill"), a, [1]), "Succeeded")
+    wait_for(lambda: published(key), "the entry published")
+    victim = cache_dir() / "entries" / key / "model-rank-1-part-0.safetensors"
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    pod = serve_pod(node, unique("serve"), a, [1])
+    messages = wait_for(lambda: [m for m in mount_failures(node, RESTRICTED_NS, pod)
+                                 if "model-rank-1-part-0.safetensors" in m], "a FailedMount naming the file")
+    assert "corrupt" in messages[0] and "DataLoss" in messages[0], messages
+    assert phase(node, RESTRICTED_NS, pod) == "Pending" and not published(key)
+    wait_phase(node, NAMESPACE, fill_pod(node, chart_operator["image"], unique("refill"), a, [1]), "Succeeded")
+    wait_phase(node, RESTRICTED_NS, pod, "Running", timeout=180)  # the kubelet's retry finds the new entry
+    delete_pods(node, RESTRICTED_NS, pod)
+
+
+def test_an_agent_killed_while_a_fill_pod_holds_its_slot_adopts_the_fill(node, chart_operator, artifacts):
+    a, key = artifacts["a"], artifacts["a"].key([0])
+    namespace = chart_operator["namespace"]
+    clear_cache()
+    barrier = unique("go")
+    filler = fill_pod(node, chart_operator["image"], unique("fill"), a, [0], barrier=barrier)
+    wait_for(lambda: f"fill slot of {key} for pod {NAMESPACE}/{filler}" in agent_log(node, namespace),
+             "the fill pod's slot mounted", timeout=120)
+    before = agent_pod(node, namespace)
+    restarts = before["status"]["containerStatuses"][0]["restartCount"]
+    (pid,) = [p for p in localnode.pids_mentioning("--node-name") if " cache " in f" {localnode._cmdline(p)} "
+              and " agent " in f" {localnode._cmdline(p)} "]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the agent to die")
+    # The kill landed while the slot was held: the pod is still at its barrier, nothing is published.
+    assert phase(node, NAMESPACE, filler) == "Running" and not published(key)
+    (claim_dir(node, a.claim) / barrier).touch()
+    wait_phase(node, NAMESPACE, filler, "Succeeded")
+    wait_for(lambda: agent_pod(node, namespace)["status"]["containerStatuses"][0]["restartCount"] > restarts,
+             "the DaemonSet to restart the agent", timeout=120)
+    wait_for(lambda: published(key), "the restarted agent to adopt the fill", timeout=120)
+    pod = serve_pod(node, unique("serve"), a, [0])
+    wait_phase(node, RESTRICTED_NS, pod, "Running", timeout=180)
+    assert f"published {key} from the fill of pod {NAMESPACE}/{filler}" in agent_log(node, namespace)
+    delete_pods(node, RESTRICTED_NS, pod)
+    (claim_dir(node, a.claim) / barrier).unlink()
+
+
+def test_eviction_is_lru_spares_mounted_entries_and_refuses_what_cannot_fit(node, chart_operator, artifacts):
+    a, b = artifacts["a"], artifacts["b"]
+    image, namespace = chart_operator["image"], chart_operator["namespace"]
+    clear_cache()
+    for ranks in ([0], [1]):  # a.r0 then a.r1: two entries, under the high mark
+        wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), a, ranks), "Succeeded")
+        wait_for(lambda: published(a.key(ranks)), "the entry published")
+    holder = serve_pod(node, unique("serve"), a, [0])  # a.r0 mounted: now the most recently used, and held
+    wait_phase(node, RESTRICTED_NS, holder, "Running")
+    # b.r0 does not fit beside both: the least recently used unmounted entry (a.r1) goes, a.r0 stays.
+    wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), b, [0]), "Succeeded")
+    wait_for(lambda: published(b.key([0])), "the third entry published")
+    assert published(a.key([0])) and not published(a.key([1]))
+    assert f"evicted {a.key([1])}" in agent_log(node, namespace)
+    # With both remaining entries mounted, nothing can go: the fill pod's mount is refused with the reason.
+    second = serve_pod(node, unique("serve"), b, [0])
+    wait_phase(node, RESTRICTED_NS, second, "Running")
+    blocked = fill_pod(node, image, unique("fill"), a, [1])
+    messages = wait_for(lambda: mount_failures(node, NAMESPACE, blocked), "the blocked fill's FailedMount")
+    assert "ResourceExhausted" in messages[0] and "high watermark" in messages[0], messages
+    assert phase(node, NAMESPACE, blocked) == "Pending" and published(a.key([0])) and published(b.key([0]))
+    pressure = node.kubectl("get", "node", localnode.NODE_NAME, "-o",
+                            'jsonpath={.status.conditions[?(@.type=="DiskPressure")].status}').stdout
+    assert pressure == "False"
+    delete_pods(node, NAMESPACE, blocked)
+    delete_pods(node, RESTRICTED_NS, holder, second)
+
+
+def test_a_wired_deployment_serves_from_the_node_cache_prewarmed_before_the_rollout(node, chart_operator, node_s3,
+                                                                                      checkpoint):
+    """serving.nodeCache through the chart's operator: the node is filled (one fill Job) before the
+    Deployment is patched; its pods mount the entry read-only, pass the loader's gate, and a second
+    replica on the same node mounts the same entry with no second fill."""
+    name = unique("nodecache")
+    clear_cache()
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    standin_deployment(node, name)
+    mw = modelweights(name, f"s3://{name}/tiny-llama",
+                      {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}, secret=f"{name}-s3")
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {
+        "enabled": True, "prewarm": {"nodeSelector": {"kubernetes.io/hostname": localnode.NODE_NAME}}}}
+    node.apply(mw)
+
+    def patched():
+        annotations = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["metadata"].get(
+            "annotations") or {}
+        return annotations.get("ferry.dev/artifact-digest")
+    digest = wait_for(patched, "the Deployment wired", timeout=360)
+    # Prewarm waited: when the Deployment first carries the digest, the node already holds the entry.
+    assert published(cache_key(digest)), "the Deployment was patched before the node was warm"
+    status = wait_ready(node, NAMESPACE, name, timeout=240)
+    assert status["cache"]["summary"] == "1" and status["cache"]["nodes"] == [localnode.NODE_NAME], status["cache"]
+    fills = [j for j in node.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
+             if j["metadata"]["labels"].get("ferry.dev/step") == "cache-fill"]
+    assert len(fills) == 1 and fills[0]["status"].get("succeeded") == 1
+    template = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["spec"]
+    volume = next(v for v in template["volumes"] if v["name"] == "ferry-weights")
+    assert volume == {"name": "ferry-weights", "csi": {"driver": DRIVER, "readOnly": True,
+                                                       "volumeAttributes": {"digest": digest}}}, volume
+    row = node.kubectl("get", "mw", name, "-n", NAMESPACE).stdout.splitlines()
+    assert row[1].split()[row[0].split().index("CACHED")] == "1"
+
+    # A second replica on the same node: the same entry, no second fill.
+    node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=2")
+    wait_for(lambda: (mw_loaded := (wait_ready(node, NAMESPACE, name, timeout=240).get("loaded") or {})).get(
+        "summary") == "2/2" and mw_loaded, "both replicas loaded", timeout=240)
+    pods = [p["metadata"]["name"] for p in pods_of(node, name) if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 2
+    log = agent_log(node, chart_operator["namespace"])
+    assert sum(f"fill slot of {cache_key(digest)}" in line for line in log.splitlines()) == 1, log
+    for pod in pods:
+        assert f"serving (read-only) {cache_key(digest)} for pod {NAMESPACE}/{pod}" in log
+        refused = node.kubectl("exec", pod, "-n", NAMESPACE, "-c", "vllm", "--", "touch", "/ferry/weights/x",
+                               check=False)
+        assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused.stderr
+    node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false")
+    node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
+                 timeout=120)

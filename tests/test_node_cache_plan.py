@@ -1,0 +1,239 @@
+"""serving.nodeCache without a cluster: the wiring (the CSI volume in place of
+the claim), the fill Jobs the planner asks for (a node where a wired pod
+waits, the prewarm nodes), a node warm only once a round found the entry
+published, a rollout held until the prewarm nodes are warm, an entry gone
+from a warm node filled again, a failed fill retried with its reason,
+status.cache, and the admission rules. On the real node:
+tests/node/test_node_cache_on_node.py."""
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from ferry_operator.api.types import Artifact
+from ferry_operator.api.validation import InvalidSpec, parse
+from ferry_operator.executors.cache_fill import fill_facts, fill_job_manifest
+from ferry_operator.executors.jobs import WorkerSettings
+from ferry_operator.node_cache import FillFacts, FillNode, RemoveFill
+from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
+from ferry_operator.serving import DeploymentFacts
+from ferry_operator.serving_loader import LoaderSettings
+from ferry_operator.steps import prepare_steps
+from ferry_operator.weights_loaded import PodFacts
+from serving_cases import merged_weights_volume
+from spec_cases import manifest, with_
+
+DIGEST = "sha256:" + "1" * 64
+FACTS = ArtifactFacts(uri="pvc://llama-weights/llama/abc", total_bytes=3 << 30, manifest_digest=DIGEST)
+LOADER = LoaderSettings(image="ferry.local/ferry:dev")
+NAME = "llama-70b-vllm"
+T0 = datetime(2026, 12, 2, 8, 0, tzinfo=timezone.utc)
+
+
+def cached(prewarm: dict | None = None, **cache):
+    obj = with_("serving.nodeCache", {"enabled": True, **({"prewarm": prewarm} if prewarm else {}), **cache})
+    return parse({**obj, "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
+
+
+def deployment(**kw) -> DeploymentFacts:
+    base = DeploymentFacts(name=NAME, containers={"vllm": ["--model", "meta-llama/Meta-Llama-3-70B-Instruct"]},
+                           template_annotations={}, rolled_out=True, service_account="serving", replicas=1)
+    return replace(base, **kw)
+
+
+def observed(m, dep: DeploymentFacts, pods=(), fills=(), prewarm=()) -> Observed:
+    return Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=FACTS,
+                    deployments={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm))
+
+
+def waiting_pod(node: str, created: datetime = T0, digest: str = DIGEST) -> PodFacts:
+    return PodFacts(name=f"p-{node}", owner="llama", digest=digest, gate=None, deployment=NAME, node=node,
+                    awaiting_volumes=True, created=created)
+
+
+def wired(m) -> DeploymentFacts:
+    """The Deployment after Ferry's patch (what the planner reads back)."""
+    (patch,) = [a for a in plan(m, observed(m, deployment()), loader=LOADER).actions if isinstance(a, PatchDeployment)]
+    pod = patch.patch["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    inits = {i["name"]: {"image": i["image"], "args": i["args"]} for i in pod["initContainers"]}
+    return deployment(containers={"vllm": c["args"]}, template_annotations=patch.patch["spec"]["template"]["metadata"][
+        "annotations"], init_containers=inits, readiness_gates=[g["conditionType"] for g in pod["readinessGates"]],
+        probed=frozenset({"vllm"}), weights_volume=merged_weights_volume(deployment(), pod))
+
+
+def kinds(p, kind):
+    return [a for a in p.actions if isinstance(a, kind)]
+
+
+def test_the_pods_get_the_node_cache_volume_in_place_of_the_claim():
+    m = cached()
+    (patch,) = kinds(plan(m, observed(m, deployment()), loader=LOADER), PatchDeployment)
+    pod = patch.patch["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "ferry-weights")
+    assert volume == {"name": "ferry-weights", "$retainKeys": ["name", "csi"],
+                      "csi": {"driver": "cache.ferry.dev", "readOnly": True, "volumeAttributes": {"digest": DIGEST}}}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "ferry-weights")
+    assert mount["readOnly"] and mount["mountPath"] == "/ferry/weights" and mount["subPath"] is None
+    # The loader still verifies the pod's files, now on the node's entry.
+    (init,) = pod["initContainers"]
+    assert init["args"][:2] == ["load", "--artifact"] and any(m["name"] == "ferry-weights" for m in init["volumeMounts"])
+
+
+def test_turning_the_node_cache_on_or_off_rolls_the_deployment_once():
+    plain = parse({**manifest(), "metadata": {"name": "llama", "generation": 2, "namespace": "ml", "uid": "u-1"}})
+    on_claim = wired(plain)
+    assert on_claim.weights_volume == "persistentVolumeClaim"
+    m = cached()
+    (patch,) = kinds(plan(m, observed(m, on_claim), loader=LOADER), PatchDeployment)  # same digest: still rolls
+    on_cache = wired(m)
+    assert on_cache.weights_volume == "csi"
+    assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []
+    assert kinds(plan(plain, observed(plain, on_cache), loader=LOADER), PatchDeployment)  # and back to the claim
+
+
+def warm(node: str, round_: int = 1, at: datetime = T0) -> FillFacts:
+    return FillFacts(node, DIGEST, "Succeeded", finished_at=at, round=round_, confirmed=True)
+
+
+def test_a_pod_waiting_on_a_node_gets_a_fill_and_the_node_is_warm_once_confirmed():
+    m = cached()
+    dep = wired(m)
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-a")], fills=[]), loader=LOADER)
+    (fill,) = kinds(p, FillNode)
+    assert (fill.node, fill.round) == ("gpu-a", 0)
+    assert fill.artifact.manifest_digest == DIGEST and fill.artifact.uri == FACTS.uri
+    assert p.status.cache.summary == "0 (+1)" and p.status.cache.filling_nodes == 1
+    running = FillFacts("gpu-a", DIGEST, "Running")
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-a")], fills=[running]), loader=LOADER)
+    assert kinds(p, FillNode) == [] and kinds(p, RemoveFill) == []
+    # Round 0 filled: the Job is complete a moment before the agent publishes the entry, so not warm yet;
+    # round 1 starts at once (it finds the entry, or waits for it).
+    filled = FillFacts("gpu-a", DIGEST, "Succeeded", finished_at=T0 + timedelta(seconds=30))
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-a")], fills=[filled]), loader=LOADER)
+    assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 1)] and p.status.cache.warm_nodes == 0
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-a")], fills=[filled, warm("gpu-a")]), loader=LOADER)
+    assert p.actions == [RemoveFill("gpu-a", DIGEST, 0)]  # only the latest round is kept
+    assert p.status.cache.warm_nodes == 1 and p.status.cache.nodes == ["gpu-a"]
+    assert p.status.cache.summary == "1" and p.status.cache.digest == DIGEST
+    # A pod that is not waiting for volumes (running, or unscheduled) asks for nothing.
+    elsewhere = replace(waiting_pod("gpu-b"), awaiting_volumes=False)
+    assert kinds(plan(m, observed(m, dep, pods=[elsewhere], fills=[warm("gpu-a")]), loader=LOADER), FillNode) == []
+
+
+def test_an_entry_gone_from_a_warm_node_is_filled_again():
+    m = cached()
+    late = waiting_pod("gpu-a", created=T0 + timedelta(minutes=5))  # came long after the fill, still waits
+    p = plan(m, observed(m, wired(m), pods=[late], fills=[warm("gpu-a")]), loader=LOADER)
+    assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 2)]
+    assert "filling again" in {c.type: c.message for c in p.status.conditions}["Reconciling"]
+    soon = waiting_pod("gpu-a", created=T0 + timedelta(seconds=20))  # still mounting (verifying): left alone
+    assert kinds(plan(m, observed(m, wired(m), pods=[soon], fills=[warm("gpu-a")]), loader=LOADER), FillNode) == []
+
+
+def test_a_failed_fill_is_reported_with_its_reason_and_retried():
+    m = cached()
+    failed = FillFacts("gpu-a", DIGEST, "Failed", finished_at=datetime.now(timezone.utc),
+                       message="CacheError: /source/llama/abc holds no ferry-manifest.json")
+    p = plan(m, observed(m, wired(m), pods=[waiting_pod("gpu-a")], fills=[failed]), loader=LOADER)
+    assert kinds(p, FillNode) == []  # not at once: after FILL_RETRY
+    message = {c.type: c.message for c in p.status.conditions}["Reconciling"]
+    assert "fill on gpu-a failed: CacheError: /source/llama/abc holds no ferry-manifest.json" in message
+    old = replace(failed, finished_at=datetime.now(timezone.utc) - timedelta(minutes=2))
+    p = plan(m, observed(m, wired(m), pods=[waiting_pod("gpu-a")], fills=[old]), loader=LOADER)
+    assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 1)]
+
+
+def test_prewarm_fills_the_selected_nodes_before_the_deployment_is_patched():
+    m = cached(prewarm={"nodeSelector": {"pool": "h100"}})
+    p = plan(m, observed(m, deployment(), prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
+    assert [a.node for a in kinds(p, FillNode)] == ["gpu-a", "gpu-b"] and kinds(p, PatchDeployment) == []
+    assert "prewarming the node cache before the rollout: 0/2" in {c.type: c.message for c in p.status.conditions}[
+        "Reconciling"]
+    half = [warm("gpu-a"), FillFacts("gpu-b", DIGEST, "Running")]
+    assert kinds(plan(m, observed(m, deployment(), fills=half, prewarm=["gpu-a", "gpu-b"]), loader=LOADER),
+                 PatchDeployment) == []
+    both = [warm(n) for n in ("gpu-a", "gpu-b")]
+    p = plan(m, observed(m, deployment(), fills=both, prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
+    assert len(kinds(p, PatchDeployment)) == 1 and p.status.cache.summary == "2"
+    # wait: false fills alongside the rollout.
+    m = cached(prewarm={"nodeSelector": {"pool": "h100"}, "wait": False})
+    p = plan(m, observed(m, deployment(), prewarm=["gpu-a"]), loader=LOADER)
+    assert kinds(p, FillNode) and kinds(p, PatchDeployment)
+
+
+def test_fill_jobs_of_another_digest_or_of_a_cache_turned_off_go():
+    m = cached()
+    old = FillFacts("gpu-a", "sha256:" + "9" * 64, "Succeeded", finished_at=T0, round=3, confirmed=True)
+    assert kinds(plan(m, observed(m, wired(m), fills=[old]), loader=LOADER), RemoveFill) == [
+        RemoveFill("gpu-a", old.digest, 3)]
+    plain = parse({**manifest(), "metadata": {"name": "llama", "generation": 2, "namespace": "ml", "uid": "u-1"}})
+    p = plan(plain, observed(plain, wired(plain), fills=[warm("gpu-a")]), loader=LOADER)
+    assert kinds(p, RemoveFill) == [RemoveFill("gpu-a", DIGEST, 1)] and p.status.cache is None
+
+
+def test_the_local_executor_cannot_cache_and_says_so():
+    m = cached()
+    obs = replace(observed(m, deployment()), fills=None)
+    p = plan(m, obs, loader=LOADER)
+    stalled = {c.type: (c.status, c.reason, c.message) for c in p.status.conditions}["Stalled"]
+    assert stalled[:2] == ("True", "NodeCacheUnavailable") and "remove serving.nodeCache" in stalled[2]
+
+
+@pytest.mark.parametrize("path,value,field,words", [
+    ("format", {"type": "runai_streamer"}, "spec.serving.nodeCache", "format.type must be safetensors or sharded_state"),
+    ("serving.localCopy", True, "spec.serving.nodeCache", "use one"),
+])
+def test_admission_names_the_field(path, value, field, words):
+    obj = with_("serving.nodeCache", {"enabled": True}, with_(path, value))
+    with pytest.raises(InvalidSpec) as info:
+        parse(obj)
+    assert field in str(info.value) and words in str(info.value)
+
+
+def test_the_fill_job_runs_on_its_node_with_the_workers_rights_and_no_token():
+    m = cached()
+    settings = WorkerSettings(image="ferry.local/ferry:dev", service_account="ferry-worker",
+                              node_selector={"pool": "cpu"}, tolerations=[{"key": "x", "operator": "Exists"}])
+    artifact = Artifact(uri=FACTS.uri, format="sharded_state", total_bytes=FACTS.total_bytes, manifest_digest=DIGEST)
+    job = fill_job_manifest(m, "u-1", "gpu-a", artifact, 2, settings)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeName"] == "gpu-a" and "nodeSelector" not in pod and pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["serviceAccountName"] == "ferry-worker" and pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["source"]["persistentVolumeClaim"] == {"claimName": "llama-weights", "readOnly": True}
+    assert volumes["cache-slot"]["csi"] == {"driver": "cache.ferry.dev", "volumeAttributes": {
+        "digest": DIGEST, "mode": "fill", "bytes": str(3 << 30)}}
+    (c,) = pod["containers"]
+    assert c["args"] == ["cache", "fill-slot", "--slot", "/ferry/cache-slot", "--source", "/source/llama/abc",
+                         "--digest", DIGEST]
+    assert job["metadata"]["annotations"] == {"ferry.dev/node": "gpu-a", "ferry.dev/cache-digest": DIGEST,
+                                              "ferry.dev/fill-round": "2"}
+    assert {"name": "FERRY_RESULT_FILE", "value": "/dev/termination-log"} in c["env"]
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_fill_facts_read_the_job_and_quote_the_failed_pods_error():
+    from ferry_worker.cache.fill_slot import ALREADY_COMPLETE
+    from ferry_operator.executors.cache_fill import ALREADY_COMPLETE as READ_AS_COMPLETE
+
+    assert ALREADY_COMPLETE == READ_AS_COMPLETE
+    meta = {"annotations": {"ferry.dev/node": "gpu-a", "ferry.dev/cache-digest": DIGEST, "ferry.dev/fill-round": "1"}}
+    complete = {"metadata": meta, "status": {"completionTime": "2026-12-02T08:00:00Z",
+                                             "conditions": [{"type": "Complete", "status": "True"}]}}
+    done = fill_facts(complete, [])
+    assert (done.node, done.digest, done.phase, done.finished_at, done.round) == ("gpu-a", DIGEST, "Succeeded", T0, 1)
+    assert not done.confirmed
+    found = {"status": {"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {
+        "message": ALREADY_COMPLETE}}}]}}
+    assert fill_facts(complete, [found]).confirmed
+    pod = {"status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
+        "message": "filling 3 files\nferry: cache failed: CacheError: no manifest\n"}}}]}}
+    failed = fill_facts({"metadata": meta, "status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+         "lastTransitionTime": "2026-12-02T08:00:00Z"}]}}, [pod])
+    assert failed.phase == "Failed" and "CacheError: no manifest" in failed.message and failed.finished_at == T0
+    assert fill_facts({"metadata": meta, "status": {}}, []).phase == "Running"
