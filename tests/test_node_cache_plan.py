@@ -237,3 +237,13 @@ def test_fill_facts_read_the_job_and_quote_the_failed_pods_error():
          "lastTransitionTime": "2026-12-02T08:00:00Z"}]}}, [pod])
     assert failed.phase == "Failed" and "CacheError: no manifest" in failed.message and failed.finished_at == T0
     assert fill_facts({"metadata": meta, "status": {}}, []).phase == "Running"
+
+
+def test_status_cache_is_written_and_cleared_by_the_status_patch():
+    from ferry_operator.api.types import ModelWeightsStatus, NodeCacheStatus
+    from ferry_operator.handlers import _status_patch
+
+    cache = NodeCacheStatus(digest=DIGEST, warm_nodes=1, nodes=["gpu-a"], summary="1")
+    patch = _status_patch({}, ModelWeightsStatus(cache=cache))
+    assert patch["cache"] == {"digest": DIGEST, "warmNodes": 1, "fillingNodes": 0, "nodes": ["gpu-a"], "summary": "1"}
+    assert _status_patch({"cache": patch["cache"]}, ModelWeightsStatus())["cache"] is None

@@ -275,10 +275,10 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     new = after.model_dump(by_alias=True, mode="json", exclude_none=True)
     patch: dict[str, Any] = {}
     for key in ("observedGeneration", "phase", "conditions", "progress", "artifact", "previousArtifacts", "retry",
-                "lastHandledRequestedAt", "loaded"):
+                "lastHandledRequestedAt", "loaded", "cache"):
         if key in new and new[key] != before.get(key):
             patch[key] = new[key]
-    for key in ("progress", "retry", "loaded"):  # cleared: null removes it (merge patch)
+    for key in ("progress", "retry", "loaded", "cache"):  # cleared: null removes it (merge patch)
         if key in before and key not in new:
             patch[key] = None
     return patch

@@ -15,8 +15,9 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "ferry"
 # The namespace the chart's operator watches; every ModelWeights of these tests lives there.
 NAMESPACE = "node-e2e"
 # The node cache's watermarks in the session's chart: two one-rank entries of the tests' TP 2 artifact
-# (about 1.4 MB each) fit, three do not (test_node_cache_on_node.py).
-NODE_CACHE_HIGH, NODE_CACHE_LOW = 3_500_000, 3_000_000
+# (about 0.7 MB each) fit under the low mark, three pass the high one, the whole artifact (1.4 MB) fits
+# (test_node_cache_on_node.py).
+NODE_CACHE_HIGH, NODE_CACHE_LOW = 1_750_000, 1_500_000
 
 
 def modelweights(name: str, uri: str, fmt: dict, secret: str | None = None, **storage) -> dict:
@@ -86,6 +87,9 @@ def cluster_write_grants(kube: Kube, release: str, namespace: str) -> list[str]:
 def uninstall_chart(kube: Kube, release: str, namespace: str, watch: str) -> None:
     # The operator must still run to let its ModelWeights go (kopf's finalizer).
     kube.kubectl("delete", "mw", "--all", "-n", watch, "--timeout=90s", check=False, timeout=120)
+    # Pods that mount node cache entries need the chart's agent to unmount them: they go first.
+    kube.kubectl("delete", "deployments,pods", "--all", "-n", watch, "--wait=true", "--timeout=120s", check=False,
+                 timeout=150)
     helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s", check=False)
     kube.kubectl("delete", "namespace", watch, "--wait=false", check=False)
 

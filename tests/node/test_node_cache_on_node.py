@@ -28,8 +28,8 @@ from ferry_worker.cache.store import cache_key
 from ferry_worker.load.selection import select
 from ferry_worker.manifest import manifest_digest, read_manifest
 from ferry_worker.shard.job import ShardJob
-from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, claim_dir, modelweights, pods_of, s3_secret,
-                          standin_deployment, unique, upload_dir, wait_ready)
+from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, claim_dir, modelweights, mw_status, pods_of,
+                          s3_secret, standin_deployment, unique, upload_dir, wait_ready)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 DRIVER = "cache.ferry.dev"
@@ -154,10 +154,14 @@ def delete_pods(kube, namespace: str, *names: str) -> None:
 
 
 def agent_pod(kube, namespace: str) -> dict:
-    pods = kube.get_json("pods", "-n", namespace)["items"]
-    (pod,) = [p for p in pods if any(o["kind"] == "DaemonSet" and o["name"].endswith("-node-cache")
-                                     for o in p["metadata"].get("ownerReferences", []))]
-    return pod
+    """The agent's pod on the real node (kwok's GPU nodes get one too: the DaemonSet tolerates every taint;
+    a pod being replaced is left out)."""
+    def one():
+        pods = [p for p in kube.get_json("pods", "-n", namespace)["items"] if not p["metadata"].get("deletionTimestamp")
+                and p["spec"].get("nodeName") == localnode.NODE_NAME and any(o["kind"] == "DaemonSet" and o["name"].endswith("-node-cache")
+                        for o in p["metadata"].get("ownerReferences", []))]
+        return pods[0] if len(pods) == 1 else None
+    return wait_for(one, "the node cache agent's pod", timeout=120)
 
 
 def agent_log(kube, namespace: str, previous: bool = False) -> str:
@@ -304,39 +308,41 @@ def test_a_wired_deployment_serves_from_the_node_cache_prewarmed_before_the_roll
     mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {
         "enabled": True, "prewarm": {"nodeSelector": {"kubernetes.io/hostname": localnode.NODE_NAME}}}}
     node.apply(mw)
+    try:
+        def patched():
+            annotations = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["metadata"].get(
+                "annotations") or {}
+            return annotations.get("ferry.dev/artifact-digest")
+        digest = wait_for(patched, "the Deployment wired", timeout=360)
+        # Prewarm waited: when the Deployment first carries the digest, the node already holds the entry.
+        assert published(cache_key(digest)), "the Deployment was patched before the node was warm"
+        status = wait_ready(node, NAMESPACE, name, timeout=240)
+        assert status["cache"]["summary"] == "1" and status["cache"]["nodes"] == [localnode.NODE_NAME], status["cache"]
+        fills = [j for j in node.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
+                 if j["metadata"]["labels"].get("ferry.dev/step") == "cache-fill"]
+        assert len(fills) == 1 and fills[0]["status"].get("succeeded") == 1
+        template = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["spec"]
+        volume = next(v for v in template["volumes"] if v["name"] == "ferry-weights")
+        assert volume == {"name": "ferry-weights", "csi": {"driver": DRIVER, "readOnly": True,
+                                                           "volumeAttributes": {"digest": digest}}}, volume
+        row = node.kubectl("get", "mw", name, "-n", NAMESPACE).stdout.splitlines()
+        assert row[1].split()[row[0].split().index("CACHED")] == "1"
 
-    def patched():
-        annotations = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["metadata"].get(
-            "annotations") or {}
-        return annotations.get("ferry.dev/artifact-digest")
-    digest = wait_for(patched, "the Deployment wired", timeout=360)
-    # Prewarm waited: when the Deployment first carries the digest, the node already holds the entry.
-    assert published(cache_key(digest)), "the Deployment was patched before the node was warm"
-    status = wait_ready(node, NAMESPACE, name, timeout=240)
-    assert status["cache"]["summary"] == "1" and status["cache"]["nodes"] == [localnode.NODE_NAME], status["cache"]
-    fills = [j for j in node.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
-             if j["metadata"]["labels"].get("ferry.dev/step") == "cache-fill"]
-    assert len(fills) == 1 and fills[0]["status"].get("succeeded") == 1
-    template = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["spec"]
-    volume = next(v for v in template["volumes"] if v["name"] == "ferry-weights")
-    assert volume == {"name": "ferry-weights", "csi": {"driver": DRIVER, "readOnly": True,
-                                                       "volumeAttributes": {"digest": digest}}}, volume
-    row = node.kubectl("get", "mw", name, "-n", NAMESPACE).stdout.splitlines()
-    assert row[1].split()[row[0].split().index("CACHED")] == "1"
-
-    # A second replica on the same node: the same entry, no second fill.
-    node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=2")
-    wait_for(lambda: (mw_loaded := (wait_ready(node, NAMESPACE, name, timeout=240).get("loaded") or {})).get(
-        "summary") == "2/2" and mw_loaded, "both replicas loaded", timeout=240)
-    pods = [p["metadata"]["name"] for p in pods_of(node, name) if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 2
-    log = agent_log(node, chart_operator["namespace"])
-    assert sum(f"fill slot of {cache_key(digest)}" in line for line in log.splitlines()) == 1, log
-    for pod in pods:
-        assert f"serving (read-only) {cache_key(digest)} for pod {NAMESPACE}/{pod}" in log
-        refused = node.kubectl("exec", pod, "-n", NAMESPACE, "-c", "vllm", "--", "touch", "/ferry/weights/x",
-                               check=False)
-        assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused.stderr
-    node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false")
-    node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
-                 timeout=120)
+        # A second replica on the same node: the same entry, no second fill.
+        node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=2")
+        wait_for(lambda: (mw_status(node, NAMESPACE, name).get("loaded") or {}).get("summary") == "2/2",
+                 "both replicas loaded", timeout=240)
+        wait_ready(node, NAMESPACE, name, timeout=120)
+        pods = [p["metadata"]["name"] for p in pods_of(node, name) if not p["metadata"].get("deletionTimestamp")]
+        assert len(pods) == 2
+        log = agent_log(node, chart_operator["namespace"])
+        assert sum(f"fill slot of {cache_key(digest)}" in line for line in log.splitlines()) == 1, log
+        for pod in pods:
+            assert f"serving (read-only) {cache_key(digest)} for pod {NAMESPACE}/{pod}" in log
+            refused = node.kubectl("exec", pod, "-n", NAMESPACE, "-c", "vllm", "--", "touch", "/ferry/weights/x",
+                                   check=False)
+            assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused.stderr
+    finally:  # its pods mount a node cache entry: they must go while the agent runs
+        node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
+        node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
+                     timeout=120)

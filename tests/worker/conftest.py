@@ -38,3 +38,19 @@ def bucket(s3_server: S3Server) -> str:
     s3_server.client().create_bucket(Bucket=name)
     return name
 
+
+
+@pytest.fixture(scope="session")
+def cache_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three TP 2 sharded_state artifacts of different checkpoints (seeds), as they sit on a claim: real
+    `ferry shard` output for the node cache's tests."""
+    from checkpoints import LLAMA3, write_checkpoint
+    from ferry_worker.shard.job import ShardJob
+
+    root = tmp_path_factory.mktemp("claim")
+    out = {}
+    for seed in range(3):
+        write_checkpoint(root / f"ckpt-{seed}", LLAMA3, seed=seed)
+        ShardJob.prepare(root / f"ckpt-{seed}", root / f"artifact-{seed}", tp=2).run()
+        out[f"a{seed}"] = root / f"artifact-{seed}"
+    return out

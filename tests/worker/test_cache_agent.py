@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from checkpoints import LLAMA3, write_checkpoint
 from ferry_worker.cache.csi import mounts
 from ferry_worker.cache.csi.agent import sockets, start
 from ferry_worker.cache.csi.proto import csi_pb2, csi_pb2_grpc
@@ -24,20 +23,13 @@ from ferry_worker.cache.csi.proto import pluginregistration_pb2 as reg_pb2, plug
 from ferry_worker.cache.fill_slot import fill_slot
 from ferry_worker.cache.store import CacheStore, Watermarks, cache_key
 from ferry_worker.manifest import MANIFEST_NAME, manifest_digest, read_manifest
-from ferry_worker.shard.job import ShardJob
 
 BIG = Watermarks(high=1 << 40, low=1 << 39)
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("claim")
-    out = {}
-    for seed in range(2):
-        write_checkpoint(root / f"ckpt-{seed}", LLAMA3, seed=seed)
-        ShardJob.prepare(root / f"ckpt-{seed}", root / f"artifact-{seed}", tp=2).run()
-        out[f"a{seed}"] = root / f"artifact-{seed}"
-    return out
+def artifacts(cache_artifacts) -> dict[str, Path]:
+    return cache_artifacts
 
 
 class Agent:

@@ -17,25 +17,15 @@ from typing import Callable
 
 import pytest
 
-from checkpoints import LLAMA3, write_checkpoint
 from ferry_worker.cache.store import CacheError, CacheFull, CacheStore, Watermarks, cache_key
 from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, manifest_digest, read_manifest
-from ferry_worker.shard.job import ShardJob
 
 BIG = Watermarks(high=1 << 40, low=1 << 39)
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory) -> dict[str, Path]:
-    """Three TP 2 artifacts of different checkpoints (seeds), as they sit on a claim."""
-    root = tmp_path_factory.mktemp("claim")
-    out = {}
-    for seed in range(3):
-        checkpoint = root / f"ckpt-{seed}"
-        write_checkpoint(checkpoint, LLAMA3, seed=seed)
-        ShardJob.prepare(checkpoint, root / f"artifact-{seed}", tp=2).run()
-        out[f"a{seed}"] = root / f"artifact-{seed}"
-    return out
+def artifacts(cache_artifacts) -> dict[str, Path]:
+    return cache_artifacts
 
 
 def digest(artifact: Path) -> str:

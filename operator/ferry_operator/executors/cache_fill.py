@@ -21,8 +21,8 @@ from typing import Any
 from ..api.types import Artifact, ModelWeights
 from ..locations import dns_name, identity
 from ..serving import CACHE_DRIVER
-from .jobs import (LABEL_MW, LABEL_STEP, RESULT_FILE, SOURCE_MOUNT, WORKER_CONTAINER, WORKER_EXIT_INPUT,
-                   WorkerSettings, _container_security, _pod_spec, owner_reference, prepare_deadline)
+from .jobs import (LABEL_MW, LABEL_STEP, RESULT_FILE, SOURCE_MOUNT, WORKER_CONTAINER, WorkerSettings,
+                   _container_security, _pod_spec, owner_reference, pod_failure_policy, prepare_deadline)
 
 FILL_STEP = "cache-fill"
 NODE_ANNOTATION = "ferry.dev/node"
@@ -75,11 +75,7 @@ def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact,
         "spec": {
             "backoffLimit": FILL_BACKOFF_LIMIT,
             "activeDeadlineSeconds": prepare_deadline(mw, settings),
-            "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {"containerName": WORKER_CONTAINER, "operator": "In",
-                                                      "values": [WORKER_EXIT_INPUT]}},
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            ]},
+            "podFailurePolicy": pod_failure_policy(),
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }

@@ -214,6 +214,18 @@ def _step_env(mw: ModelWeights, step: Step,
     return env, []
 
 
+def pod_failure_policy() -> dict[str, Any]:
+    """Which pod failures count (batch/v1, GA since 1.31; needs restartPolicy Never)."""
+    return {"rules": [
+        # The worker rejected its input: fail the Job now, not after its retries with back-off.
+        {"action": "FailJob", "onExitCodes": {"containerName": WORKER_CONTAINER, "operator": "In",
+                                              "values": [WORKER_EXIT_INPUT]}},
+        # Evicted, preempted, drained: not the worker's fault; retry without spending backoffLimit.
+        # (Crashes and OOM kills count against backoffLimit as usual.)
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]}
+
+
 def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSettings) -> dict[str, Any]:
     refused = unsupported_source(mw)
     if refused is not None:  # the executor reports it (observe) before it would start a Job
@@ -251,14 +263,7 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
             # All attempts together; past it the Job fails with reason DeadlineExceeded (diagnosis.py).
             "activeDeadlineSeconds": prepare_deadline(mw, settings),
             # batch/v1 (GA since 1.31; needs restartPolicy Never): which pod failures count.
-            "podFailurePolicy": {"rules": [
-                # The worker rejected its input: fail the Job now, not after 3 retries with back-off.
-                {"action": "FailJob", "onExitCodes": {"containerName": WORKER_CONTAINER, "operator": "In",
-                                                      "values": [WORKER_EXIT_INPUT]}},
-                # Evicted, preempted, drained: not the worker's fault; retry without spending backoffLimit.
-                # (Crashes and OOM kills count against backoffLimit as usual.)
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            ]},
+            "podFailurePolicy": pod_failure_policy(),
             "template": {"metadata": {"labels": labels}, "spec": _pod_spec(settings, [container], volumes, token=True)},
         },
     }
