@@ -207,7 +207,8 @@ def test_block_digests_verify_a_file_in_parallel_and_name_the_block(tmp_path: Pa
 
 @pytest.mark.parametrize("size", [0, 10, 4096, 3 * 4096 + 5])
 def test_a_copy_is_checked_against_block_digests_before_it_is_published(tmp_path: Path, small_blocks, size: int):
-    """--copy-to reads in order (the copy is written front to back): the blocks are checked on the way."""
+    """--copy-to: the segment readers write the copy at their offsets as they check the blocks; the copy is
+    published only once every block verified."""
     data = bytes((i * 5 + 1) % 256 for i in range(size))
     (tmp_path / "f").write_bytes(data)
     entry = FileEntry("f", size, blocks=blocks_of(data))

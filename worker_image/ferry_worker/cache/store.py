@@ -341,15 +341,13 @@ def _source_manifest_bytes(source: Path, digest: str) -> bytes:
 
 def copy_into(staging: Path, source: Path, manifest_bytes: bytes, entries, on_bytes: OnBytes = lambda n: None,
               after_file: Callable[[str], None] = lambda name: None) -> None:
-    """Copy `entries` of the artifact at `source` into `staging`, each verified as it is written. The
-    manifest goes first under PENDING_MANIFEST (a killed fill is resumed against it) and under its own
-    name last. One file per call (its segments still read in parallel) so that `after_file` can hold the
-    fill between two files: the fault tests stop a fill there."""
+    """Copy `entries` of the artifact at `source` into `staging`, each verified as it is written, files
+    side by side and a large file's segments in parallel. The manifest goes first under PENDING_MANIFEST
+    (a killed fill is resumed against it) and under its own name last. `after_file` runs as each file is
+    in place: the fault tests hold a fill there."""
     with atomic_file(staging / PENDING_MANIFEST) as f:
         f.write(manifest_bytes)
-    for e in entries:
-        read_files(source, [e], ReadOptions(), on_bytes, copy_to=staging)
-        after_file(e.path)
+    read_files(source, entries, ReadOptions(), on_bytes, copy_to=staging, on_file=after_file)
     _install_manifest(staging, manifest_bytes)
 
 

@@ -11,16 +11,18 @@ are served from memory, and a disk error fails the load instead of vLLM.
 
 A file whose manifest entry has block digests (sharded_state rank files) is
 verified by the segment readers themselves, each hashing its own blocks, so
-one large file is hashed on every core at once. Otherwise hashing (sha256 of
-the whole file is sequential) and copying (block digests included: the copy
-is checked as it is written) need the bytes in order: one consumer per file
-reads it front to back — the first segment from the disk
+one large file is hashed on every core at once; a copy of it (`--copy-to`,
+the node cache's fills) is written by the same readers at their offsets and
+published only once every block verified. Otherwise hashing (sha256 of the
+whole file is sequential) and copying need the bytes in order: one consumer
+per file reads it front to back — the first segment from the disk
 itself, the rest mostly from the page cache the segment readers filled ahead
 of it (hashlib releases the GIL, so files hash on several cores). Memory: one
 chunk per thread.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -57,17 +59,23 @@ class ReadOptions:
 
 
 def read_files(root: Path, entries: Sequence[FileEntry], options: ReadOptions,
-               on_bytes: Callable[[int], None] = lambda n: None, copy_to: Path | None = None) -> None:
+               on_bytes: Callable[[int], None] = lambda n: None, copy_to: Path | None = None,
+               on_file: Callable[[str], None] = lambda path: None) -> None:
     """Read every entry under `root` (writing a copy under `copy_to` when set); with `options.hash`, check
-    each against its manifest digest (block digests, else sha256), raising IntegrityError naming the file."""
+    each against its manifest digest (block digests, else sha256), raising IntegrityError naming the file.
+    `on_file` runs as each file is done (verified, and its copy published)."""
     if not entries:
         return
     at_once = options.at_once(len(entries))
     # Largest first: the long files start early and the short ones fill in behind them.
     ordered = sorted(entries, key=lambda e: -e.size)
+
+    def one(e: FileEntry) -> None:
+        _read_one(root / e.path, e, options, at_once, on_bytes, copy_to / e.path if copy_to else None)
+        on_file(e.path)
+
     with ThreadPoolExecutor(at_once, thread_name_prefix="ferry-file") as files:
-        futures = [files.submit(_read_one, root / e.path, e, options, at_once, on_bytes,
-                                copy_to / e.path if copy_to else None) for e in ordered]
+        futures = [files.submit(one, e) for e in ordered]
         try:
             for f in futures:
                 f.result()
@@ -79,8 +87,8 @@ def read_files(root: Path, entries: Sequence[FileEntry], options: ReadOptions,
 
 def _read_one(path: Path, entry: FileEntry, options: ReadOptions, at_once: int,
               on_bytes: Callable[[int], None], copy: Path | None) -> None:
-    if options.hash and copy is None and entry.blocks:
-        return _verify_blocks(path, entry, options, at_once, on_bytes)
+    if options.hash and entry.blocks:
+        return _verify_blocks(path, entry, options, at_once, on_bytes, copy)
     check = ContentCheck(entry) if options.hash else None
     consumer = check is not None or copy is not None
     segments = options.cut(entry.size, at_once)
@@ -108,22 +116,26 @@ def _read_one(path: Path, entry: FileEntry, options: ReadOptions, at_once: int,
 
 
 def _verify_blocks(path: Path, entry: FileEntry, options: ReadOptions, at_once: int,
-                   on_bytes: Callable[[int], None]) -> None:
+                   on_bytes: Callable[[int], None], copy: Path | None = None) -> None:
     """Every block against its digest, segments in parallel (the block digests, under the manifest's own
-    digest, vouch for the file; FileEntry has checked there is one per block)."""
+    digest, vouch for the file; FileEntry has checked there is one per block). With `copy`, each segment
+    reader also writes its bytes at their offsets into the copy's temporary file, which is published
+    (renamed) only once every block verified."""
     fd = os.open(path, os.O_RDONLY)
     try:
         segments = options.cut(entry.size, at_once, align=BLOCK_SIZE)
-        with ThreadPoolExecutor(len(segments), thread_name_prefix="ferry-verify") as readers:
-            for f in [readers.submit(_verify_range, fd, start, end, options.chunk_size, entry, on_bytes)
-                      for start, end in segments]:
-                f.result()
+        with contextlib.ExitStack() as stack:
+            out = stack.enter_context(atomic_file(copy)).fileno() if copy is not None else None
+            with ThreadPoolExecutor(len(segments), thread_name_prefix="ferry-verify") as readers:
+                for f in [readers.submit(_verify_range, fd, start, end, options.chunk_size, entry, on_bytes, out)
+                          for start, end in segments]:
+                    f.result()
     finally:
         os.close(fd)
 
 
 def _verify_range(fd: int, start: int, end: int, chunk: int, entry: FileEntry,
-                  on_bytes: Callable[[int], None]) -> None:
+                  on_bytes: Callable[[int], None], out: int | None = None) -> None:
     os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_SEQUENTIAL)
     buf = memoryview(bytearray(min(chunk, BLOCK_SIZE)))
     # range(start, max(end, start + 1)): an empty file still has its one block, the digest of nothing.
@@ -134,11 +146,19 @@ def _verify_range(fd: int, start: int, end: int, chunk: int, entry: FileEntry,
         while offset < block_end:
             n = _pread_exactly(fd, buf[:min(len(buf), block_end - offset)], offset, entry.path)
             h.update(buf[:n])
+            if out is not None:
+                _pwrite_all(out, buf[:n], offset)
             offset += n
             on_bytes(n)
         index = block_start // BLOCK_SIZE
         if h.hexdigest() != entry.blocks[index]:
             raise block_mismatch(entry, index, h.hexdigest())
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _read_range(fd: int, start: int, end: int, chunk: int, name: str,
