@@ -29,7 +29,9 @@ DIGEST = "sha256:" + "1" * 64
 FACTS = ArtifactFacts(uri="pvc://llama-weights/llama/abc", total_bytes=3 << 30, manifest_digest=DIGEST)
 LOADER = LoaderSettings(image="ferry.local/ferry:dev")
 NAME = "llama-70b-vllm"
-T0 = datetime(2026, 12, 2, 8, 0, tzinfo=timezone.utc)
+# Plans are made at the real time (the planner's clock): times of pods and fills are relative to it.
+T0 = datetime.now(timezone.utc) - timedelta(seconds=30)
+FIXED = datetime(2026, 12, 2, 8, 0, tzinfo=timezone.utc)
 
 
 def cached(prewarm: dict | None = None, **cache):
@@ -125,12 +127,17 @@ def test_a_pod_waiting_on_a_node_gets_a_fill_and_the_node_is_warm_once_confirmed
 
 def test_an_entry_gone_from_a_warm_node_is_filled_again():
     m = cached()
-    late = waiting_pod("gpu-a", created=T0 + timedelta(minutes=5))  # came long after the fill, still waits
-    p = plan(m, observed(m, wired(m), pods=[late], fills=[warm("gpu-a")]), loader=LOADER)
+    done = warm("gpu-a", at=T0 - timedelta(minutes=3))
+    gone = waiting_pod("gpu-a", created=T0 - timedelta(minutes=2))  # came after the fill, and still waits
+    p = plan(m, observed(m, wired(m), pods=[gone], fills=[done]), loader=LOADER)
     assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 2)]
     assert "filling again" in {c.type: c.message for c in p.status.conditions}["Reconciling"]
-    soon = waiting_pod("gpu-a", created=T0 + timedelta(seconds=20))  # still mounting (verifying): left alone
-    assert kinds(plan(m, observed(m, wired(m), pods=[soon], fills=[warm("gpu-a")]), loader=LOADER), FillNode) == []
+    # A pod that came moments ago may still be mounting (verifying the entry): left alone.
+    soon = waiting_pod("gpu-a", created=T0)
+    assert kinds(plan(m, observed(m, wired(m), pods=[soon], fills=[done]), loader=LOADER), FillNode) == []
+    # A round that ended moments ago: its entry gets its chance first.
+    fresh = warm("gpu-a", at=T0)
+    assert kinds(plan(m, observed(m, wired(m), pods=[gone], fills=[fresh]), loader=LOADER), FillNode) == []
 
 
 def test_a_failed_fill_is_reported_with_its_reason_and_retried():
@@ -225,7 +232,7 @@ def test_fill_facts_read_the_job_and_quote_the_failed_pods_error():
     complete = {"metadata": meta, "status": {"completionTime": "2026-12-02T08:00:00Z",
                                              "conditions": [{"type": "Complete", "status": "True"}]}}
     done = fill_facts(complete, [])
-    assert (done.node, done.digest, done.phase, done.finished_at, done.round) == ("gpu-a", DIGEST, "Succeeded", T0, 1)
+    assert (done.node, done.digest, done.phase, done.finished_at, done.round) == ("gpu-a", DIGEST, "Succeeded", FIXED, 1)
     assert not done.confirmed
     found = {"status": {"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {
         "message": ALREADY_COMPLETE}}}]}}
@@ -235,7 +242,7 @@ def test_fill_facts_read_the_job_and_quote_the_failed_pods_error():
     failed = fill_facts({"metadata": meta, "status": {"conditions": [
         {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
          "lastTransitionTime": "2026-12-02T08:00:00Z"}]}}, [pod])
-    assert failed.phase == "Failed" and "CacheError: no manifest" in failed.message and failed.finished_at == T0
+    assert failed.phase == "Failed" and "CacheError: no manifest" in failed.message and failed.finished_at == FIXED
     assert fill_facts({"metadata": meta, "status": {}}, []).phase == "Running"
 
 

@@ -91,8 +91,9 @@ def test_prepared_artifact_patches_the_serving_deployment():
     assert template["metadata"]["annotations"][SERVED_NAME_ANNOTATION] == "meta-llama/Meta-Llama-3-70B-Instruct"
     assert c["volumeMounts"] == [{"name": "ferry-weights", "mountPath": "/ferry/weights", "readOnly": True,
                                   "subPath": "llama/abc"}]
-    assert template["spec"]["volumes"] == [{"name": "ferry-weights", "persistentVolumeClaim": {
-        "claimName": "llama-weights", "readOnly": True}}]
+    # `$retainKeys`: switching back from the node cache's CSI volume leaves one volume source.
+    assert template["spec"]["volumes"] == [{"name": "ferry-weights", "$retainKeys": ["name", "persistentVolumeClaim"],
+                                            "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}}]
     assert conds(p)["ServingUpdated"] == ("False", "RollingOut")
     assert p.status.phase == "Wiring"
 

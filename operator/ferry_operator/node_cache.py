@@ -6,8 +6,9 @@ nodes. Each gets fill Jobs in rounds (executors/cache_fill.py): a round that
 filled is followed at once by one that finds the entry published (the
 agent publishes it when the kubelet unmounts the finished pod's slot, a
 moment after the Job completes); that one confirms the node is warm. A pod
-that still waits on a warm node long after the fill means the entry went
-(evicted, or removed as corrupt): a new round fills again. That rule may
+that still waits on a warm node REFILL_AFTER after it came and after the
+last round ended means the entry went (evicted, or removed as corrupt): a
+new round fills again. That rule may
 fire once too often (a very large entry whose mount is still verifying):
 the extra round finds the entry complete and ends at once. A failed round
 is retried after FILL_RETRY and said in the status meanwhile, with its
@@ -22,7 +23,7 @@ from datetime import datetime, timedelta
 from .api.types import Artifact, ModelWeightsSpec, NodeCacheStatus
 from .weights_loaded import PodFacts
 
-REFILL_AFTER = timedelta(minutes=2)  # a pod still waiting this long after its node's fill ended
+REFILL_AFTER = timedelta(minutes=2)  # a pod still waiting this long after it came and its node's fill ended
 FILL_RETRY = timedelta(minutes=1)
 
 
@@ -100,7 +101,7 @@ def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime],
         return fill.round + 1 if fill.finished_at is None or at - fill.finished_at >= FILL_RETRY else None
     if not fill.confirmed:
         return fill.round + 1  # it filled: the next round finds the entry published, or waits for it
-    if node in waiting and fill.finished_at is not None and waiting[node] - fill.finished_at >= REFILL_AFTER:
+    if node in waiting and fill.finished_at is not None and at - max(waiting[node], fill.finished_at) >= REFILL_AFTER:
         notes.append(f"a pod on {node} waits for the node cache entry its fill made: filling again")
         return fill.round + 1
     return None

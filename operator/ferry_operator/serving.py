@@ -159,7 +159,9 @@ def volume_for(artifact_uri: str) -> tuple[dict[str, Any], dict[str, Any]] | Non
         mount = {"name": VOLUME_NAME, "mountPath": MOUNT_PATH, "readOnly": True}
         if sub_path:
             mount["subPath"] = sub_path
-        return {"name": VOLUME_NAME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}, mount
+        # `$retainKeys`: a volume that was the node cache's keeps no `csi` next to the claim.
+        return {"name": VOLUME_NAME, "$retainKeys": ["name", "persistentVolumeClaim"],
+                "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}, mount
     if artifact_uri.startswith("file://"):
         volume = {"name": VOLUME_NAME, "hostPath": {"path": artifact_uri.removeprefix("file://"), "type": "Directory"}}
         return volume, {"name": VOLUME_NAME, "mountPath": MOUNT_PATH, "readOnly": True}

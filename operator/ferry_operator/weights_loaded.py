@@ -70,12 +70,16 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
 
 def _awaiting_volumes(status: Mapping[str, Any]) -> bool:
     """No container (init containers included) has started, and none waits for anything but its volumes
-    (ContainerCreating): what a pod whose node cache mount is refused looks like."""
+    (ContainerCreating; PodInitializing in a pod with init containers, Ferry's loader among them): what a
+    pod whose node cache mount is refused looks like."""
     states = [s.get("state") or {} for s in [*(status.get("initContainerStatuses") or []),
                                              *(status.get("containerStatuses") or [])]]
     if any(st.get("running") or st.get("terminated") for st in states):
         return False
-    return all((st.get("waiting") or {}).get("reason", "ContainerCreating") == "ContainerCreating" for st in states)
+    return all((st.get("waiting") or {}).get("reason", "ContainerCreating") in VOLUME_WAITS for st in states)
+
+
+VOLUME_WAITS = ("ContainerCreating", "PodInitializing")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ is the user's path: a ModelWeights with serving.nodeCache, the operator
 prewarming the node, wiring the Deployment and running its fill Jobs."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -293,11 +294,12 @@ def test_eviction_is_lru_spares_mounted_entries_and_refuses_what_cannot_fit(node
     delete_pods(node, RESTRICTED_NS, holder, second)
 
 
-def test_a_wired_deployment_serves_from_the_node_cache_prewarmed_before_the_rollout(node, chart_operator, node_s3,
-                                                                                      checkpoint):
-    """serving.nodeCache through the chart's operator: the node is filled (one fill Job) before the
-    Deployment is patched; its pods mount the entry read-only, pass the loader's gate, and a second
-    replica on the same node mounts the same entry with no second fill."""
+def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_prewarmed(node, chart_operator,
+                                                                                      node_s3, checkpoint):
+    """serving.nodeCache through the chart's operator. The wired pod waits for its entry, and the operator
+    fills its node (a fill Job), so it passes the loader's gate with the entry mounted read-only; a second
+    replica on the same node mounts the same entry with no second fill. Then a new artifact (TP 2 -> 1)
+    with a prewarm of the node: the entry is on the node before the Deployment is patched."""
     name = unique("nodecache")
     clear_cache()
     upload_dir(node_s3, name, "tiny-llama", checkpoint)
@@ -305,34 +307,24 @@ def test_a_wired_deployment_serves_from_the_node_cache_prewarmed_before_the_roll
     standin_deployment(node, name)
     mw = modelweights(name, f"s3://{name}/tiny-llama",
                       {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}, secret=f"{name}-s3")
-    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {
-        "enabled": True, "prewarm": {"nodeSelector": {"kubernetes.io/hostname": localnode.NODE_NAME}}}}
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {"enabled": True}}
     node.apply(mw)
     try:
-        def patched():
-            annotations = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["metadata"].get(
-                "annotations") or {}
-            return annotations.get("ferry.dev/artifact-digest")
-        digest = wait_for(patched, "the Deployment wired", timeout=360)
-        # Prewarm waited: when the Deployment first carries the digest, the node already holds the entry.
-        assert published(cache_key(digest)), "the Deployment was patched before the node was warm"
-        status = wait_ready(node, NAMESPACE, name, timeout=240)
+        status = wait_ready(node, NAMESPACE, name, timeout=420)
+        digest = status["artifact"]["manifestDigest"]
         assert status["cache"]["summary"] == "1" and status["cache"]["nodes"] == [localnode.NODE_NAME], status["cache"]
-        fills = [j for j in node.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
-                 if j["metadata"]["labels"].get("ferry.dev/step") == "cache-fill"]
-        assert len(fills) == 1 and fills[0]["status"].get("succeeded") == 1
         template = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["spec"]
         volume = next(v for v in template["volumes"] if v["name"] == "ferry-weights")
         assert volume == {"name": "ferry-weights", "csi": {"driver": DRIVER, "readOnly": True,
                                                            "volumeAttributes": {"digest": digest}}}, volume
         row = node.kubectl("get", "mw", name, "-n", NAMESPACE).stdout.splitlines()
         assert row[1].split()[row[0].split().index("CACHED")] == "1"
+        assert len(fill_jobs(node, name)) == 1  # only the latest round is kept
 
         # A second replica on the same node: the same entry, no second fill.
         node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=2")
         wait_for(lambda: (mw_status(node, NAMESPACE, name).get("loaded") or {}).get("summary") == "2/2",
                  "both replicas loaded", timeout=240)
-        wait_ready(node, NAMESPACE, name, timeout=120)
         pods = [p["metadata"]["name"] for p in pods_of(node, name) if not p["metadata"].get("deletionTimestamp")]
         assert len(pods) == 2
         log = agent_log(node, chart_operator["namespace"])
@@ -342,7 +334,27 @@ def test_a_wired_deployment_serves_from_the_node_cache_prewarmed_before_the_roll
             refused = node.kubectl("exec", pod, "-n", NAMESPACE, "-c", "vllm", "--", "touch", "/ferry/weights/x",
                                    check=False)
             assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused.stderr
+
+        # A new artifact, prewarmed: the Deployment is patched only once the node holds it.
+        node.kubectl("patch", "mw", name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps({"spec": {
+            "format": {"tensorParallelSize": 1}, "serving": {"nodeCache": {"prewarm": {
+                "nodeSelector": {"kubernetes.io/hostname": localnode.NODE_NAME}}}}}}))
+
+        def rewired():
+            annotations = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["metadata"].get(
+                "annotations") or {}
+            new = annotations.get("ferry.dev/artifact-digest")
+            return new if new != digest else None
+        new_digest = wait_for(rewired, "the Deployment wired to the new artifact", timeout=420)
+        assert published(cache_key(new_digest)), "the Deployment was patched before the node held the new artifact"
+        status = wait_ready(node, NAMESPACE, name, timeout=300)
+        assert status["cache"]["digest"] == new_digest and status["cache"]["summary"] == "1"
     finally:  # its pods mount a node cache entry: they must go while the agent runs
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
                      timeout=120)
+
+
+def fill_jobs(kube, name: str) -> list[dict]:
+    return [j for j in kube.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
+            if j["metadata"]["labels"].get("ferry.dev/step") == "cache-fill"]

@@ -246,3 +246,48 @@ def test_a_restarted_agent_adopts_the_fill_that_ended_while_it_was_down(agent, a
     assert agent.store.holders(key) == ["csi-pod-a"]
     agent.unpublish("pod-a")
     assert agent.store.holders(key) == []
+
+
+def test_bytes_past_a_files_size_are_never_published_or_served(agent, artifacts):
+    """The readers read only the manifest's size of each file: a longer file is refused on its length."""
+    source = artifacts["a1"]
+    key = cache_key(manifest_digest(source))
+    slot = agent.publish("padder", fill_attrs(source))
+    fill_slot(slot, source, manifest_digest(source), None)
+    victim = slot / "model-rank-0-part-0.safetensors"
+    victim.chmod(0o644)
+    with open(victim, "ab") as f:
+        f.write(b"appended")
+    agent.unpublish("padder")
+    assert agent.store.entry(key) is None  # not adopted; the padded file is gone, the rest kept for a resume
+    assert not (agent.cache / "filling" / key / "model-rank-0-part-0.safetensors").exists()
+    agent.fill("refiller", source)
+    entry = agent.store.entry(key)
+    victim = entry / "model-rank-0-part-0.safetensors"
+    victim.chmod(0o644)
+    with open(victim, "ab") as f:
+        f.write(b"appended")
+    error = refused(lambda: agent.publish("pod-a", serve_attrs(source)))
+    assert error.code() == grpc.StatusCode.DATA_LOSS and "model-rank-0-part-0.safetensors" in error.details()
+
+
+def test_room_made_for_a_fill_is_kept_for_it(tmp_path, artifacts):
+    """Two fill slots that each fit alone do not both get the same room: the first one's declared bytes
+    count until it is adopted. And a fill that could not fit even with every entry gone evicts nothing."""
+    size = sum(e.size for e in read_manifest(artifacts["a0"]).files)
+    agent = Agent(tmp_path, Watermarks(high=int(1.5 * size), low=size))
+    try:
+        agent.fill("filler", artifacts["a2"])
+        kept = cache_key(manifest_digest(artifacts["a2"]))
+        agent.publish("first", fill_attrs(artifacts["a0"]))  # a2 (unmounted) is evicted to make its room
+        assert agent.store.entry(kept) is None
+        error = refused(lambda: agent.publish("second", fill_attrs(artifacts["a1"])))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # nothing written yet, but the room is taken
+        agent.unpublish("first")  # ended with nothing in its slot: dropped, its room given back
+        agent.fill("third", artifacts["a1"])
+        huge = {**fill_attrs(artifacts["a0"]), "bytes": str(100 * size)}
+        error = refused(lambda: agent.publish("greedy", huge))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert agent.store.entry(cache_key(manifest_digest(artifacts["a1"]))) is not None  # not evicted for it
+    finally:
+        agent.cleanup()

@@ -7,6 +7,7 @@ before it publishes the entry (store.adopt)."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from ..load.selection import select
@@ -22,8 +23,8 @@ ALREADY_COMPLETE = "cache entry already complete"
 def fill_slot(slot: Path, source: Path, digest: str, ranks: list[int] | None) -> str:
     """Fill `slot` from `source`; resumes what a killed fill left. Returns a line saying what it did."""
     done = slot / MANIFEST_NAME
-    if done.is_file() and _is_digest(done.read_bytes(), digest):
-        return ALREADY_COMPLETE
+    if not os.access(slot, os.W_OK) and done.is_file() and _is_digest(done.read_bytes(), digest):
+        return ALREADY_COMPLETE  # the agent mounted the published entry itself (read-only): nothing to fill
     manifest_bytes = _source_manifest_bytes(source, digest)
     wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
     kept = keep_verified(slot, wanted, digest)

@@ -38,6 +38,7 @@ import os
 import shutil
 import stat
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -82,8 +83,11 @@ class CacheStore:
                  disk_free: Callable[[], int] | None = None):
         self.root, self.marks, self.clock = Path(root), marks, clock
         self.disk_free = disk_free or (lambda: shutil.disk_usage(self.root).free)
-        for part in ("entries", "filling", "holders", "meta", "locks"):
+        for part in ("entries", "filling", "holders", "meta", "locks", "slots"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
+        for doomed in (self.root / "filling").glob(".evicted-*"):  # an eviction a crash interrupted
+            _make_removable(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # -- reading ---------------------------------------------------------------------------------------------
     def entry(self, key: str) -> Path | None:
@@ -96,9 +100,16 @@ class CacheStore:
         return {"entries": entries, "usage": self.usage(), "high": self.marks.high, "low": self.marks.low}
 
     def usage(self) -> int:
-        """Bytes of the complete entries and of the fills under way."""
+        """Bytes of the complete entries and of the fills under way (a fill pod's slot counts the bytes it
+        declared until it has written more: room made for one fill is not given to the next)."""
         done = sum(self._meta(k).get("bytes", 0) for k in self._keys())
-        return done + sum(_tree_bytes(p) for p in (self.root / "filling").iterdir())
+        return done + sum(max(_tree_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir())
+
+    def _declared(self, key: str) -> int:
+        try:
+            return int((self.root / "slots" / key).read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
 
     # -- filling ---------------------------------------------------------------------------------------------
     def fill(self, source: Path, digest: str, ranks: list[int] | None = None, on_bytes: OnBytes = lambda n: None,
@@ -116,6 +127,7 @@ class CacheStore:
             manifest_bytes = _source_manifest_bytes(source, digest)
             staging = self.root / "filling" / key
             staging.mkdir(exist_ok=True)
+            _take_over(staging)  # a slot a fill pod left: the agent's own before it reads anything there
             wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
             missing = [e for e in wanted if e.path not in keep_verified(staging, wanted, digest)]
             self._make_room(sum(e.size for e in missing), key)
@@ -130,7 +142,11 @@ class CacheStore:
             staging = self.root / "filling" / key
             staging.mkdir(exist_ok=True)
             self._make_room(max(0, nbytes - _tree_bytes(staging)), key)
-            staging.chmod(0o777)  # the pod runs as its own (non-root) uid; the agent takes it over after
+            _write_text(self.root / "slots" / key, str(nbytes))  # reserved until adopted or dropped
+            # The pod runs as its own (non-root) uid; what an earlier fill left is root's (taken over), so
+            # every directory is opened to the pod (its verified files stay read-only and are kept).
+            for directory in [staging, *(d for d in staging.rglob("*") if d.is_dir() and not d.is_symlink())]:
+                directory.chmod(0o777)
             return staging
 
     def adopt(self, key: str, nbytes: int) -> Path:
@@ -159,6 +175,8 @@ class CacheStore:
             verified = keep_verified(staging, wanted, digest)
             missing = [e.path for e in wanted if e.path not in verified]
             if missing:
+                with contextlib.suppress(FileNotFoundError):  # not complete: the manifest waits under its
+                    os.replace(staging / MANIFEST_NAME, staging / PENDING_MANIFEST)  # pending name again
                 raise CacheError(f"the fill of {key} is unfinished: {len(missing)} files missing or corrupt "
                                  f"(first: {missing[0]}); the verified ones are kept for the next fill")
             _install_manifest(staging, manifest_bytes)
@@ -169,6 +187,7 @@ class CacheStore:
         if staging.exists():
             _make_removable(staging)
             shutil.rmtree(staging)
+        (self.root / "slots" / key).unlink(missing_ok=True)
 
     def _publish(self, key: str, staging: Path, nbytes: int) -> Path:
         for path in staging.rglob("*"):
@@ -180,19 +199,22 @@ class CacheStore:
         staging.chmod(0o555)
         os.rename(staging, final)
         fsync_dir(final.parent)
+        (self.root / "slots" / key).unlink(missing_ok=True)
         return final
 
     # -- holding, pinning, checking ------------------------------------------------------------------------------
     def acquire(self, key: str, holder: str) -> Path:
-        """Mark the entry as mounted by `holder` (a pod uid): it is not evicted until released."""
-        path = self.entry(key)
-        if path is None:
-            raise CacheError(f"no complete cache entry {key}: fill it first")
-        held = self.root / "holders" / key
-        held.mkdir(exist_ok=True)
-        (held / _safe(holder)).touch()
-        self.touch(key)
-        return path
+        """Mark the entry as mounted by `holder` (a pod uid): it is not evicted until released. Under the
+        entry's lock, which eviction takes too: an entry is never removed between a check and a hold."""
+        with self._lock(key):
+            path = self.entry(key)
+            if path is None:
+                raise CacheError(f"no complete cache entry {key}: fill it first")
+            held = self.root / "holders" / key
+            held.mkdir(exist_ok=True)
+            (held / _safe(holder)).touch()
+            self.touch(key)
+            return path
 
     def mount_entry(self, key: str, holder: str) -> Path:
         """The entry, held by `holder` and verified byte by byte (what a serving mount gets). A corrupt
@@ -241,7 +263,9 @@ class CacheStore:
         manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())
         ranks = _ranks_of(key)
         try:
-            read_files(path, select(manifest, ranks).entries, ReadOptions())
+            wanted = select(manifest, ranks).entries
+            _check_sizes(path, wanted)
+            read_files(path, wanted, ReadOptions())
         except IntegrityError:
             if not self.holders(key):
                 self._remove(key)
@@ -258,10 +282,13 @@ class CacheStore:
         for key in candidates:
             if used + needed <= self.marks.low and free - needed >= self.marks.keep_free:
                 break
-            nbytes = self._meta(key).get("bytes", 0)
-            log.info("evicted %s (%d bytes, least recently used; the cache held %d, low watermark %d)",
-                     key, nbytes, used, self.marks.low)
-            self._remove(key)
+            with self._try_lock(key) as locked:
+                if not locked or self.holders(key):
+                    continue  # mounted (or being mounted) meanwhile: it stays
+                nbytes = self._meta(key).get("bytes", 0)
+                log.info("evicted %s (%d bytes, least recently used; the cache held %d, low watermark %d)",
+                         key, nbytes, used, self.marks.low)
+                self._remove(key)
             used, free = used - nbytes, free + nbytes
             removed.append(key)
         return removed
@@ -279,7 +306,12 @@ class CacheStore:
     def _make_room(self, needed: int, key: str) -> None:
         if self._fits(needed):
             return
-        self.evict(needed, keep=key)
+        # Evict only if that makes the fill fit: a fill that cannot fit anyway (a declared size larger than
+        # the cache) must not empty the cache on its way to being refused.
+        evictable = sum(self._meta(k).get("bytes", 0) for k in self._keys()
+                        if k != key and not self.holders(k) and not self._meta(k).get("pinned"))
+        if self._fits(needed - evictable):
+            self.evict(needed, keep=key)
         if self._fits(needed):
             return
         used, free = self.usage(), self.disk_free()
@@ -299,7 +331,7 @@ class CacheStore:
     def _remove(self, key: str) -> None:
         path = self.root / "entries" / key
         if path.exists():
-            doomed = self.root / "filling" / f".evicted-{key}-{os.getpid()}"
+            doomed = self.root / "filling" / f".evicted-{key}-{uuid.uuid4().hex[:8]}"
             os.rename(path, doomed)  # gone from entries/ at once; the bytes go after
             _make_removable(doomed)
             shutil.rmtree(doomed)
@@ -315,6 +347,19 @@ class CacheStore:
             return json.loads((self.root / "meta" / f"{key}.json").read_text())
         except FileNotFoundError:
             return {}
+
+    @contextlib.contextmanager
+    def _try_lock(self, key: str) -> Iterator[bool]:
+        with open(self.root / "locks" / f"{key}.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False  # busy (a fill or a mount of it under way): not a candidate now
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
     def _lock(self, key: str) -> Iterator[None]:
@@ -359,6 +404,9 @@ def keep_verified(staging: Path, wanted, digest: str) -> set[str]:
         path = staging / e.path
         if not path.is_file() or path.is_symlink():
             continue
+        if path.lstat().st_size != e.size:  # bytes past the manifest's size would go unread: never kept
+            path.unlink()
+            continue
         try:
             read_files(staging, [e], ReadOptions())
             kept.add(e.path)
@@ -371,6 +419,17 @@ def keep_verified(staging: Path, wanted, digest: str) -> set[str]:
         if stray.is_symlink() or (stray.is_file() and rel not in kept | manifests):
             stray.unlink()
     return kept
+
+
+def _check_sizes(root: Path, wanted) -> None:
+    """Every file exactly as large as its manifest entry says: the readers read only that many bytes."""
+    for e in wanted:
+        try:
+            size = (root / e.path).lstat().st_size
+        except FileNotFoundError:
+            raise IntegrityError(f"{e.path}: missing") from None
+        if size != e.size:
+            raise IntegrityError(f"{e.path}: {size} bytes, the manifest says {e.size}")
 
 
 def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:
@@ -399,18 +458,23 @@ def _take_over(staging: Path) -> int:
             path = os.path.join(top, name)
             st = os.lstat(path)
             if stat.S_ISDIR(st.st_mode):
-                os.lchown(path, 0, 0)
+                _own(path)
                 os.chmod(path, 0o755, follow_symlinks=False)
             elif stat.S_ISREG(st.st_mode):
-                os.lchown(path, 0, 0)
+                _own(path)
                 os.chmod(path, 0o444, follow_symlinks=False)
                 total += st.st_size
             else:
                 os.unlink(path)
         dirs[:] = [d for d in dirs if os.path.isdir(os.path.join(top, d)) and not os.path.islink(os.path.join(top, d))]
-    os.lchown(staging, 0, 0)
+    _own(str(staging))
     os.chmod(staging, 0o755)
     return total
+
+
+def _own(path: str) -> None:
+    if os.geteuid() == 0:  # the agent; an admin's `ferry cache fill` as themselves keeps their own files
+        os.lchown(path, 0, 0)
 
 
 def _make_removable(tree: Path) -> None:
@@ -436,6 +500,11 @@ def _safe(holder: str) -> str:
 
 def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with atomic_file(path) as f:
+        f.write(text.encode())
 
 
 def _write_json(path: Path, value: dict) -> None:

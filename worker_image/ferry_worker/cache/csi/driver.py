@@ -42,6 +42,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         self.records = store.root / "volumes"
         self.records.mkdir(exist_ok=True)
         self._fills = threading.Lock()
+        # A publish that outlasts the kubelet's call (verifying a large entry) must not be started twice.
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
 
     # -- the kubelet's calls ---------------------------------------------------------------------------------
     def NodeGetInfo(self, request, context):
@@ -51,6 +54,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         return csi_pb2.NodeGetCapabilitiesResponse()  # no staging, no stats: publish and unpublish only
 
     def NodePublishVolume(self, request, context):
+        with self._busy_lock:
+            if request.volume_id in self._busy:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"volume {request.volume_id} is still being published "
+                                                           f"(its entry is being verified): the kubelet retries")
+            self._busy.add(request.volume_id)
         try:
             self._publish(request)
         except grpc.RpcError:
@@ -58,6 +66,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         except _Refused as e:
             log.warning("refused volume %s for pod %s: %s", request.volume_id, _pod(request), e.message)
             context.abort(e.code, e.message)
+        finally:
+            with self._busy_lock:
+                self._busy.discard(request.volume_id)
         return csi_pb2.NodePublishVolumeResponse()
 
     def NodeUnpublishVolume(self, request, context):
@@ -83,7 +94,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         mode = attrs.get("mode", "serve")
         target = Path(request.target_path)
         if mounts.is_mount(target):
-            return  # published already: the kubelet retried a call whose answer it lost
+            if self._record(request.volume_id).get("target") == str(target):
+                return  # published already: the kubelet retried a call whose answer it lost
+            mounts.unmount(target)  # a mount with no record (an agent killed in between): start again
         if mode == "serve":
             source = self._entry_for(key, request.volume_id)
         elif mode == "fill":
@@ -92,13 +105,14 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"volumeAttributes.mode {mode!r}: serve or fill")
         record = {"key": key, "mode": mode, "target": str(target), "pod": _pod(request),
                   "bytes": attrs.get("bytes", "")}
+        # Recorded before the mount: an agent killed in between finds the target and knows it is live.
+        self._write_record(request.volume_id, record)
         target.mkdir(parents=True, exist_ok=True)
         try:
             mounts.bind(source, target, read_only=mode == "serve")
         except OSError:
             self._finish(request.volume_id, {**record, "mode": "serve" if mode == "serve" else "abandoned"})
             raise
-        self._write_record(request.volume_id, record)
         log.info("%s %s for pod %s at %s", "serving (read-only)" if mode == "serve" else "fill slot of", key,
                  _pod(request), target)
 
@@ -128,7 +142,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                                                              f"fill writes, a whole number")
         if self.store.entry(key) is not None:
             self._write_record(holder, {"key": key, "mode": "serve"})
-            return self.store.acquire(key, holder), "serve"
+            try:
+                return self.store.acquire(key, holder), "serve"
+            except CacheError:
+                self._drop_record(holder)  # evicted this instant: a slot, then
+
         with self._fills:  # the kubelet publishes pods' volumes concurrently: one claims the slot
             other = [v for v, r in self._records() if r.get("key") == key and r.get("mode") == "fill" and v != holder]
             if other:
@@ -161,13 +179,17 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         """At start: a volume whose mount is gone ended while the agent was down (its pod left and the
         kubelet's unpublish found no driver): finish it now. Mounted ones stay held."""
         for volume_id, record in self._records():
-            target = record.get("target")
-            if target and mounts.is_mount(Path(target)):
-                if record["mode"] == "serve":
-                    self.store.acquire(record["key"], volume_id)
-                continue
-            log.info("volume %s (%s of %s) ended while the agent was down", volume_id, record["mode"], record["key"])
-            self._finish(volume_id, record)
+            try:
+                target = record.get("target")
+                if target and mounts.is_mount(Path(target)):
+                    if record["mode"] == "serve":
+                        self.store.acquire(record["key"], volume_id)
+                    continue
+                log.info("volume %s (%s of %s) ended while the agent was down", volume_id, record["mode"],
+                         record["key"])
+                self._finish(volume_id, record)
+            except (CacheError, OSError) as e:  # one bad record must not keep the agent from serving the rest
+                log.error("volume %s: %s", volume_id, e)
 
     # -- records ----------------------------------------------------------------------------------------------
     def _record(self, volume_id: str) -> dict:
