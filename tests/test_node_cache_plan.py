@@ -159,9 +159,11 @@ def test_prewarm_fills_the_selected_nodes_before_the_deployment_is_patched():
     assert [a.node for a in kinds(p, FillNode)] == ["gpu-a", "gpu-b"] and kinds(p, PatchDeployment) == []
     assert "prewarming the node cache before the rollout: 0/2" in {c.type: c.message for c in p.status.conditions}[
         "Reconciling"]
-    half = [warm("gpu-a"), FillFacts("gpu-b", DIGEST, "Running")]
-    assert kinds(plan(m, observed(m, deployment(), fills=half, prewarm=["gpu-a", "gpu-b"]), loader=LOADER),
-                 PatchDeployment) == []
+    half = [warm("gpu-a"), FillFacts("gpu-b", DIGEST, "Running", job="llama-cache-b-0")]
+    p = plan(m, observed(m, deployment(), fills=half, prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
+    assert kinds(p, PatchDeployment) == []
+    message = {c.type: c.message for c in p.status.conditions}["Reconciling"]
+    assert "1/2 nodes hold the artifact (waiting for gpu-b; kubectl describe pods -l job-name=llama-cache-b-0" in message
     both = [warm(n) for n in ("gpu-a", "gpu-b")]
     p = plan(m, observed(m, deployment(), fills=both, prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
     assert len(kinds(p, PatchDeployment)) == 1 and p.status.cache.summary == "2"

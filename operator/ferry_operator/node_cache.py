@@ -38,6 +38,7 @@ class FillFacts:
     message: str = ""  # why it failed (the pod's own words)
     round: int = 0
     confirmed: bool = False  # Succeeded, and its pod found the entry already published: the node is warm
+    job: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
     summary = f"{len(warm)}" + (f" (+{len(filling)})" if filling else "")
     out.status = NodeCacheStatus(digest=digest, warm_nodes=len(warm), filling_nodes=len(filling),
                                  nodes=warm[:64], summary=summary)
-    out.hold = _prewarm_hold(spec, prewarm_nodes, warm)
+    out.hold = _prewarm_hold(spec, prewarm_nodes, warm, latest)
     return out
 
 
@@ -116,7 +117,8 @@ def _waiting_since(pods: list[PodFacts], digest: str) -> dict[str, datetime]:
     return out
 
 
-def _prewarm_hold(spec: ModelWeightsSpec, prewarm_nodes: list[str], warm: list[str]) -> str | None:
+def _prewarm_hold(spec: ModelWeightsSpec, prewarm_nodes: list[str], warm: list[str],
+                  latest: dict[str, FillFacts]) -> str | None:
     prewarm = spec.serving.node_cache.prewarm if spec.serving and spec.serving.node_cache else None
     if prewarm is None or not prewarm.wait:
         return None
@@ -125,5 +127,8 @@ def _prewarm_hold(spec: ModelWeightsSpec, prewarm_nodes: list[str], warm: list[s
     cold = [n for n in sorted(prewarm_nodes) if n not in warm]
     if not cold:
         return None
+    first = latest.get(cold[0])
+    # A fill pod whose slot the agent refuses (a full cache) waits in ContainerCreating: its events say why.
+    where = f"; kubectl describe pods -l job-name={first.job} says why a fill waits" if first and first.job else ""
     return (f"prewarming the node cache before the rollout: {len(prewarm_nodes) - len(cold)}/{len(prewarm_nodes)} "
-            f"nodes hold the artifact (waiting for {', '.join(cold[:3])}{' ...' if len(cold) > 3 else ''})")
+            f"nodes hold the artifact (waiting for {', '.join(cold[:3])}{' ...' if len(cold) > 3 else ''}{where})")

@@ -310,9 +310,11 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
     mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {"enabled": True}}
     node.apply(mw)
     try:
-        status = wait_ready(node, NAMESPACE, name, timeout=420)
-        digest = status["artifact"]["manifestDigest"]
-        assert status["cache"]["summary"] == "1" and status["cache"]["nodes"] == [localnode.NODE_NAME], status["cache"]
+        digest = wait_ready(node, NAMESPACE, name, timeout=420)["artifact"]["manifestDigest"]
+        # Warm once a fill round's pod found the entry published (the round after the one that filled it).
+        cache = wait_for(lambda: (c := mw_status(node, NAMESPACE, name).get("cache") or {}).get("summary") == "1"
+                         and c, "the node counted warm", timeout=120)
+        assert cache["nodes"] == [localnode.NODE_NAME] and cache["digest"] == digest, cache
         template = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["spec"]
         volume = next(v for v in template["volumes"] if v["name"] == "ferry-weights")
         assert volume == {"name": "ferry-weights", "csi": {"driver": DRIVER, "readOnly": True,
@@ -335,7 +337,11 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
                                    check=False)
             assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused.stderr
 
-        # A new artifact, prewarmed: the Deployment is patched only once the node holds it.
+        # A new artifact, prewarmed: the Deployment is patched only once the node holds it. The chart's
+        # watermarks hold one whole artifact: the old one must be unmounted (no replicas) to make room, as
+        # the agent refuses to evict a mounted entry.
+        node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=0")
+        wait_for(lambda: not pods_of(node, name), "the old replicas gone", timeout=120)
         node.kubectl("patch", "mw", name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps({"spec": {
             "format": {"tensorParallelSize": 1}, "serving": {"nodeCache": {"prewarm": {
                 "nodeSelector": {"kubernetes.io/hostname": localnode.NODE_NAME}}}}}}))
@@ -347,8 +353,14 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
             return new if new != digest else None
         new_digest = wait_for(rewired, "the Deployment wired to the new artifact", timeout=420)
         assert published(cache_key(new_digest)), "the Deployment was patched before the node held the new artifact"
-        status = wait_ready(node, NAMESPACE, name, timeout=300)
-        assert status["cache"]["digest"] == new_digest and status["cache"]["summary"] == "1"
+        assert f"evicted {cache_key(digest)}" in agent_log(node, chart_operator["namespace"])
+        node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=1")
+        wait_for(lambda: (mw_status(node, NAMESPACE, name).get("loaded") or {}).get("summary") == "1/1",
+                 "the new replica loaded", timeout=240)
+        status = wait_ready(node, NAMESPACE, name, timeout=120)
+        assert status["cache"]["digest"] == new_digest and status["cache"]["summary"] == "1", status["cache"]
+        log = agent_log(node, chart_operator["namespace"])
+        assert sum(f"fill slot of {cache_key(new_digest)}" in line for line in log.splitlines()) == 1, log
     finally:  # its pods mount a node cache entry: they must go while the agent runs
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,

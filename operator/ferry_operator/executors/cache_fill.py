@@ -100,7 +100,8 @@ def fill_facts(job: dict[str, Any], pods: list[dict[str, Any]]):
         message = _last_words(pods) or conditions["Failed"].get("message") or conditions["Failed"].get("reason", "")
     ended = status.get("completionTime") or (conditions.get("Failed") or {}).get("lastTransitionTime")
     return FillFacts(node=annotations.get(NODE_ANNOTATION, ""), digest=annotations.get(DIGEST_ANNOTATION, ""),
-                     round=int(annotations.get(ROUND_ANNOTATION) or 0), confirmed=confirmed, phase=phase, finished_at=datetime.fromisoformat(ended.replace("Z", "+00:00")) if ended else None,
+                     round=int(annotations.get(ROUND_ANNOTATION) or 0), confirmed=confirmed, phase=phase,
+                     job=meta.get("name", ""), finished_at=datetime.fromisoformat(ended.replace("Z", "+00:00")) if ended else None,
                      message=message[-512:])
 
 
