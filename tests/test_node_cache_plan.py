@@ -29,9 +29,13 @@ DIGEST = "sha256:" + "1" * 64
 FACTS = ArtifactFacts(uri="pvc://llama-weights/llama/abc", total_bytes=3 << 30, manifest_digest=DIGEST)
 LOADER = LoaderSettings(image="ferry.local/ferry:dev")
 NAME = "llama-70b-vllm"
-# Plans are made at the real time (the planner's clock): times of pods and fills are relative to it.
-T0 = datetime.now(timezone.utc) - timedelta(seconds=30)
 FIXED = datetime(2026, 12, 2, 8, 0, tzinfo=timezone.utc)
+
+
+def ago(seconds: float = 30) -> datetime:
+    """Plans are made at the real time (the planner's clock): pods and fills are dated relative to it, when
+    the test runs (not when it was collected)."""
+    return datetime.now(timezone.utc) - timedelta(seconds=seconds)
 
 
 def cached(prewarm: dict | None = None, **cache):
@@ -50,9 +54,9 @@ def observed(m, dep: DeploymentFacts, pods=(), fills=(), prewarm=()) -> Observed
                     deployments={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm))
 
 
-def waiting_pod(node: str, created: datetime = T0, digest: str = DIGEST) -> PodFacts:
+def waiting_pod(node: str, created: datetime | None = None, digest: str = DIGEST) -> PodFacts:
     return PodFacts(name=f"p-{node}", owner="llama", digest=digest, gate=None, deployment=NAME, node=node,
-                    awaiting_volumes=True, created=created)
+                    awaiting_volumes=True, created=created or ago())
 
 
 def wired(m) -> DeploymentFacts:
@@ -96,8 +100,8 @@ def test_turning_the_node_cache_on_or_off_rolls_the_deployment_once():
     assert kinds(plan(plain, observed(plain, on_cache), loader=LOADER), PatchDeployment)  # and back to the claim
 
 
-def warm(node: str, round_: int = 1, at: datetime = T0) -> FillFacts:
-    return FillFacts(node, DIGEST, "Succeeded", finished_at=at, round=round_, confirmed=True)
+def warm(node: str, round_: int = 1, at: datetime | None = None) -> FillFacts:
+    return FillFacts(node, DIGEST, "Succeeded", finished_at=at or ago(), round=round_, confirmed=True)
 
 
 def test_a_pod_waiting_on_a_node_gets_a_fill_and_the_node_is_warm_once_confirmed():
@@ -113,7 +117,7 @@ def test_a_pod_waiting_on_a_node_gets_a_fill_and_the_node_is_warm_once_confirmed
     assert kinds(p, FillNode) == [] and kinds(p, RemoveFill) == []
     # Round 0 filled: the Job is complete a moment before the agent publishes the entry, so not warm yet;
     # round 1 starts at once (it finds the entry, or waits for it).
-    filled = FillFacts("gpu-a", DIGEST, "Succeeded", finished_at=T0 + timedelta(seconds=30))
+    filled = FillFacts("gpu-a", DIGEST, "Succeeded", finished_at=ago(0))
     p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-a")], fills=[filled]), loader=LOADER)
     assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 1)] and p.status.cache.warm_nodes == 0
     p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-a")], fills=[filled, warm("gpu-a")]), loader=LOADER)
@@ -127,16 +131,16 @@ def test_a_pod_waiting_on_a_node_gets_a_fill_and_the_node_is_warm_once_confirmed
 
 def test_an_entry_gone_from_a_warm_node_is_filled_again():
     m = cached()
-    done = warm("gpu-a", at=T0 - timedelta(minutes=3))
-    gone = waiting_pod("gpu-a", created=T0 - timedelta(minutes=2))  # came after the fill, and still waits
+    done = warm("gpu-a", at=ago(210))
+    gone = waiting_pod("gpu-a", created=ago(150))  # came after the fill, and still waits
     p = plan(m, observed(m, wired(m), pods=[gone], fills=[done]), loader=LOADER)
     assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 2)]
     assert "filling again" in {c.type: c.message for c in p.status.conditions}["Reconciling"]
     # A pod that came moments ago may still be mounting (verifying the entry): left alone.
-    soon = waiting_pod("gpu-a", created=T0)
+    soon = waiting_pod("gpu-a", created=ago())
     assert kinds(plan(m, observed(m, wired(m), pods=[soon], fills=[done]), loader=LOADER), FillNode) == []
     # A round that ended moments ago: its entry gets its chance first.
-    fresh = warm("gpu-a", at=T0)
+    fresh = warm("gpu-a", at=ago())
     assert kinds(plan(m, observed(m, wired(m), pods=[gone], fills=[fresh]), loader=LOADER), FillNode) == []
 
 
@@ -175,7 +179,7 @@ def test_prewarm_fills_the_selected_nodes_before_the_deployment_is_patched():
 
 def test_fill_jobs_of_another_digest_or_of_a_cache_turned_off_go():
     m = cached()
-    old = FillFacts("gpu-a", "sha256:" + "9" * 64, "Succeeded", finished_at=T0, round=3, confirmed=True)
+    old = FillFacts("gpu-a", "sha256:" + "9" * 64, "Succeeded", finished_at=ago(), round=3, confirmed=True)
     assert kinds(plan(m, observed(m, wired(m), fills=[old]), loader=LOADER), RemoveFill) == [
         RemoveFill("gpu-a", old.digest, 3)]
     plain = parse({**manifest(), "metadata": {"name": "llama", "generation": 2, "namespace": "ml", "uid": "u-1"}})
