@@ -103,7 +103,7 @@ def test_short_name_printer_columns_and_wait(crd, namespace):
                     "conditions": [{"type": "Ready", "status": "True", "reason": "Ready", "message": "",
                                     "lastTransitionTime": "2026-11-29T12:00:00Z"}]}}))
     table = crd.kubectl("get", "mw", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "READY", "FORMAT", "TP", "SIZE", "LOADED", "PROGRESS", "AGE"]
+    assert table[0].split() == ["NAME", "PHASE", "READY", "FORMAT", "TP", "SIZE", "LOADED", "CACHED", "PROGRESS", "AGE"]
     assert table[1].split()[:7] == ["cols", "Ready", "True", "sharded_state", "4", "140Gi", "100"]
     crd.kubectl("wait", "--for=condition=Ready", "mw/cols", "-n", namespace, "--timeout=5s")
 
