@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..load.selection import select
 from ..manifest import MANIFEST_NAME, Manifest
-from .store import _is_digest, _source_manifest_bytes, copy_into, keep_verified
+from .store import is_digest, source_manifest_bytes, copy_into, keep_verified
 
 log = logging.getLogger(__name__)
 # What a fill pod says when the agent mounted the published entry itself: the entry is on the node,
@@ -23,9 +23,9 @@ ALREADY_COMPLETE = "cache entry already complete"
 def fill_slot(slot: Path, source: Path, digest: str, ranks: list[int] | None) -> str:
     """Fill `slot` from `source`; resumes what a killed fill left. Returns a line saying what it did."""
     done = slot / MANIFEST_NAME
-    if not os.access(slot, os.W_OK) and done.is_file() and _is_digest(done.read_bytes(), digest):
+    if not os.access(slot, os.W_OK) and done.is_file() and is_digest(done.read_bytes(), digest):
         return ALREADY_COMPLETE  # the agent mounted the published entry itself (read-only): nothing to fill
-    manifest_bytes = _source_manifest_bytes(source, digest)
+    manifest_bytes = source_manifest_bytes(source, digest)
     wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
     kept = keep_verified(slot, wanted, digest)
     missing = [e for e in wanted if e.path not in kept]

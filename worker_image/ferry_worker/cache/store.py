@@ -124,7 +124,7 @@ class CacheStore:
             if ready is not None:
                 self.touch(key)
                 return ready
-            manifest_bytes = _source_manifest_bytes(source, digest)
+            manifest_bytes = source_manifest_bytes(source, digest)
             staging = self.root / "filling" / key
             staging.mkdir(exist_ok=True)
             _take_over(staging)  # a slot a fill pod left: the agent's own before it reads anything there
@@ -371,14 +371,14 @@ class CacheStore:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _source_manifest_bytes(source: Path, digest: str) -> bytes:
+def source_manifest_bytes(source: Path, digest: str) -> bytes:
     """The source's manifest, trusted only if its sha256 is the digest the entry is keyed by."""
     path = source / MANIFEST_NAME
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CacheError(f"{source} holds no {MANIFEST_NAME}: not a complete Ferry artifact") from None
-    if not _is_digest(data, digest):
+    if not is_digest(data, digest):
         raise CacheError(f"{path} has digest sha256:{hashlib.sha256(data).hexdigest()}, not {digest}: the "
                          f"artifact changed under its record")
     return data
@@ -413,7 +413,7 @@ def keep_verified(staging: Path, wanted, digest: str) -> set[str]:
         except IntegrityError:
             path.unlink()
     manifests = {name for name in (MANIFEST_NAME, PENDING_MANIFEST)
-                 if (staging / name).is_file() and _is_digest((staging / name).read_bytes(), digest)}
+                 if (staging / name).is_file() and is_digest((staging / name).read_bytes(), digest)}
     for stray in sorted(staging.rglob("*"), reverse=True):
         rel = stray.relative_to(staging).as_posix()
         if stray.is_symlink() or (stray.is_file() and rel not in kept | manifests):
@@ -437,7 +437,7 @@ def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:
         path = staging / name
         if path.is_file() and not path.is_symlink():
             data = path.read_bytes()
-            if _is_digest(data, digest):
+            if is_digest(data, digest):
                 return data
     return None
 
@@ -483,7 +483,7 @@ def _make_removable(tree: Path) -> None:
             p.chmod(0o755 if p.is_dir() else 0o644)
 
 
-def _is_digest(data: bytes, digest: str) -> bool:
+def is_digest(data: bytes, digest: str) -> bool:
     return hashlib.sha256(data).hexdigest() == digest.removeprefix("sha256:")
 
 
