@@ -119,15 +119,18 @@ def import_images(node: "localnode.Node", images: dict[str, dict[str, str]]) -> 
 ADMISSION_TEMPLATES = ("templates/admission.yaml", "templates/weights-reporter.yaml")
 
 
-def render_chart(release: str, *templates: str) -> list[dict]:
+def render_chart(release: str, *templates: str, values: tuple[str, ...] = ()) -> list[dict]:
     """The chart's objects (those of `templates`, e.g. templates/rbac.yaml) as
-    `helm template` renders them for `release` in namespace ferry-system."""
+    `helm template` renders them for `release` in namespace ferry-system, with
+    `values` (`key=value`, as --set takes them)."""
     import yaml  # the venv's; `make cluster-down` runs this module with the system python
 
     argv = [str(binaries() / "helm"), "template", release, str(REPO / "charts/ferry"), "--namespace", "ferry-system",
             "--kube-version", "1.34.0"]
     for template in templates:
         argv += ["--show-only", template]
+    for value in values:
+        argv += ["--set", value]
     rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(rendered) if d]
 

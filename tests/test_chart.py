@@ -383,18 +383,27 @@ def test_node_cache_agent_when_enabled(helm):
     assert driver["spec"] == {"attachRequired": False, "podInfoOnMount": True, "volumeLifecycleModes": ["Ephemeral"],
                               "fsGroupPolicy": "None", "requiresRepublish": False, "storageCapacity": False}
     (sa,) = [d for d in by_kind(docs, "ServiceAccount") if d["metadata"]["name"] == NODE_CACHE]
-    assert sa["automountServiceAccountToken"] is False
-    # It talks only to its own kubelet: no role, no binding anywhere names it.
-    assert list(bound_roles(docs, NODE_CACHE)) == []
-    for b in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
-        assert all(s.get("name") != NODE_CACHE for s in b.get("subjects", [])), b
-    roles = by_kind(docs, "Role") + by_kind(docs, "ClusterRole")
-    assert not [r for r in roles if "node-cache" in r["metadata"]["name"]]
+    assert sa.get("automountServiceAccountToken", True) is True
+    # Its one grant: get and patch nodes (its own node's cache labels, as the policy narrows it), bound
+    # cluster-wide to it alone; nothing namespaced, nothing else.
+    assert [(kind, ns, role["rules"]) for kind, ns, role in bound_roles(docs, NODE_CACHE)] == [
+        ("ClusterRoleBinding", None, [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}])]
+    (binding,) = [b for b in by_kind(docs, "ClusterRoleBinding") if b["metadata"]["name"] == NODE_CACHE]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": NODE_CACHE, "namespace": "ferry-system"}]
+    assert not [b for b in by_kind(docs, "RoleBinding") if any(s.get("name") == NODE_CACHE for s in b["subjects"])]
+    (policy,) = [p for p in by_kind(docs, "ValidatingAdmissionPolicy") if p["metadata"]["name"] == NODE_CACHE]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}]
+    assert policy["spec"]["matchConditions"][0]["expression"] == (
+        f"request.userInfo.username == 'system:serviceaccount:ferry-system:{NODE_CACHE}'")
+    (vapb,) = [b for b in by_kind(docs, "ValidatingAdmissionPolicyBinding") if b["metadata"]["name"] == NODE_CACHE]
+    assert vapb["spec"] == {"policyName": NODE_CACHE, "validationActions": ["Deny"]}
 
     (ds,) = by_kind(docs, "DaemonSet")
     assert ds["metadata"]["name"] == NODE_CACHE and ds["metadata"]["namespace"] == "ferry-system"
     pod = ds["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == NODE_CACHE and pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == NODE_CACHE and pod["automountServiceAccountToken"] is True
     assert pod["priorityClassName"] == "system-node-critical" and pod["hostNetwork"] is False
     assert pod["tolerations"] == [{"operator": "Exists"}]
     # Its own selector: the operator's Deployment (and metrics Service) must not select it.

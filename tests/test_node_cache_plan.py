@@ -59,15 +59,19 @@ def waiting_pod(node: str, created: datetime | None = None, digest: str = DIGEST
                     awaiting_volumes=True, created=created or ago())
 
 
-def wired(m) -> DeploymentFacts:
+def wired(m, current: DeploymentFacts | None = None) -> DeploymentFacts:
     """The Deployment after Ferry's patch (what the planner reads back)."""
-    (patch,) = [a for a in plan(m, observed(m, deployment()), loader=LOADER).actions if isinstance(a, PatchDeployment)]
+    current = current or deployment()
+    (patch,) = [a for a in plan(m, observed(m, current), loader=LOADER).actions if isinstance(a, PatchDeployment)]
     pod = patch.patch["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     inits = {i["name"]: {"image": i["image"], "args": i["args"]} for i in pod["initContainers"]}
-    return deployment(containers={"vllm": c["args"]}, template_annotations=patch.patch["spec"]["template"]["metadata"][
-        "annotations"], init_containers=inits, readiness_gates=[g["conditionType"] for g in pod["readinessGates"]],
-        probed=frozenset({"vllm"}), weights_volume=merged_weights_volume(deployment(), pod))
+    preferred = pod.get("affinity", {}).get("nodeAffinity", {}).get("preferredDuringSchedulingIgnoredDuringExecution",
+                                                                     current.preferred_nodes)
+    return replace(current, containers={"vllm": c["args"]}, template_annotations=patch.patch["spec"]["template"][
+        "metadata"]["annotations"], init_containers=inits, readiness_gates=[g["conditionType"] for g in pod[
+            "readinessGates"]], probed=frozenset({"vllm"}), weights_volume=merged_weights_volume(current, pod),
+        preferred_nodes=preferred)
 
 
 def kinds(p, kind):
@@ -98,6 +102,37 @@ def test_turning_the_node_cache_on_or_off_rolls_the_deployment_once():
     assert on_cache.weights_volume == "csi"
     assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []
     assert kinds(plan(plain, observed(plain, on_cache), loader=LOADER), PatchDeployment)  # and back to the claim
+
+
+USERS_TERM = {"weight": 100, "preference": {"matchExpressions": [
+    {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}}
+
+
+def ferry_terms(d: DeploymentFacts) -> list[dict]:
+    return [t for t in d.preferred_nodes if t["preference"]["matchExpressions"][0]["key"].startswith("cache.ferry.dev/")]
+
+
+def test_wired_pods_prefer_the_nodes_that_hold_their_artifact_and_keep_the_users_preferences():
+    m = cached()
+    on_cache = wired(m, deployment(preferred_nodes=[USERS_TERM]))
+    # The node agent's label for this digest (as much of it as a label name holds), preferred, never required.
+    assert ferry_terms(on_cache) == [{"weight": 50, "preference": {"matchExpressions": [
+        {"key": "cache.ferry.dev/" + "1" * 63, "operator": "Exists"}]}}]
+    assert on_cache.preferred_nodes[0] == USERS_TERM
+    assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []  # wired: no second roll
+
+    # A new artifact: the term follows the digest (the old one's is dropped, the user's stays).
+    new = replace(FACTS, manifest_digest="sha256:" + "2" * 64)
+    (patch,) = kinds(plan(m, replace(observed(m, on_cache), artifact=new), loader=LOADER), PatchDeployment)
+    terms = patch.patch["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert terms == [USERS_TERM, {"weight": 50, "preference": {"matchExpressions": [
+        {"key": "cache.ferry.dev/" + "2" * 63, "operator": "Exists"}]}}]
+
+    # The cache turned off: Ferry's term goes with it, the user's stays.
+    plain = parse({**manifest(), "metadata": {"name": "llama", "generation": 2, "namespace": "ml", "uid": "u-1"}})
+    on_claim = wired(plain, on_cache)
+    assert on_claim.weights_volume == "persistentVolumeClaim" and on_claim.preferred_nodes == [USERS_TERM]
 
 
 def warm(node: str, round_: int = 1, at: datetime | None = None) -> FillFacts:

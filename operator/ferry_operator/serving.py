@@ -49,6 +49,7 @@ class DeploymentFacts:
     service_account: str = "default"
     replicas: int = 1
     weights_volume: str = ""  # the source of the ferry-weights volume: persistentVolumeClaim, csi, hostPath, ""
+    preferred_nodes: list[dict[str, Any]] = field(default_factory=list)  # nodeAffinity's preferred terms
 
 
 def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
@@ -78,6 +79,8 @@ def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
         replicas=want,
         weights_volume=next((k for v in pod.get("volumes") or [] if v.get("name") == VOLUME_NAME
                              for k in v if k != "name"), ""),
+        preferred_nodes=list(((pod.get("affinity") or {}).get("nodeAffinity") or {})
+                             .get("preferredDuringSchedulingIgnoredDuringExecution") or []),
     )
 
 
@@ -183,6 +186,32 @@ def node_cache_volume(digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
     volume = {"name": VOLUME_NAME, "$retainKeys": ["name", "csi"],
               "csi": {"driver": CACHE_DRIVER, "readOnly": True, "volumeAttributes": {"digest": digest}}}
     return volume, {"name": VOLUME_NAME, "mountPath": MOUNT_PATH, "readOnly": True, "subPath": None}
+
+
+CACHE_LABEL_PREFIX = "cache.ferry.dev/"  # the node agent's labels (ferry_worker/cache/node_labels.py)
+# Of 1-100, against the user's own preferred terms (a term of 100 outweighs it); the scheduler still puts
+# fit (GPUs, memory) first: a preference only orders the nodes a pod fits on.
+CACHE_AFFINITY_WEIGHT = 50
+
+
+def cache_label(digest: str) -> str:
+    """The label the node agent puts on a node that holds the artifact's entry."""
+    return CACHE_LABEL_PREFIX + digest.removeprefix("sha256:")[:63]
+
+
+def preferred_nodes(current: list[dict[str, Any]], digest: str | None) -> list[dict[str, Any]]:
+    """The pod's preferred node affinity terms: the user's as they are, and Ferry's one term towards nodes
+    whose cache holds `digest` (none when `digest` is None). The list has no merge key, so a patch
+    replaces it whole: Ferry's terms are recognised by the label prefix and swapped, the user's kept."""
+    def ferrys(term: dict[str, Any]) -> bool:
+        return any(str(e.get("key", "")).startswith(CACHE_LABEL_PREFIX)
+                   for e in (term.get("preference") or {}).get("matchExpressions") or [])
+
+    terms = [t for t in current if not ferrys(t)]
+    if digest is not None:
+        terms.append({"weight": CACHE_AFFINITY_WEIGHT, "preference": {"matchExpressions": [
+            {"key": cache_label(digest), "operator": "Exists"}]}})
+    return terms
 
 
 def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
@@ -291,8 +320,10 @@ def deployment_patch(
                       and name in current.probed) if init else (have is None and GATE not in current.readiness_gates)
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = mounted is None or (current.weights_volume == "csi") == ("csi" in mounted[0])
+    cached = artifact.manifest_digest if mounted is not None and "csi" in mounted[0] else None
+    preferred = preferred_nodes(current.preferred_nodes, cached)
     if (new_command == command and new_args == args and ferry_set == served and loader_current and volume_current
-            and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
+            and preferred == current.preferred_nodes and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
         return None
     # A container that fails leaves the tail of its log (vLLM's own error line)
     # as its termination message, which the operator quotes (serving_diagnosis.py).
@@ -301,6 +332,8 @@ def deployment_patch(
     if new_command != command:
         c["command"] = new_command
     pod: dict[str, Any] = {"containers": [c]}
+    if preferred != current.preferred_nodes:
+        pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
     if mounted is not None:
         volume, mount = mounted
         pod["volumes"] = [volume]

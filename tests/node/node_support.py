@@ -67,8 +67,12 @@ def install_chart(kube: Kube, release: str, namespace: str, watch: str, image_re
 
 def cluster_write_grants(kube: Kube, release: str, namespace: str) -> list[str]:
     """Every ClusterRoleBinding of the release, or to one of its ServiceAccounts, whose ClusterRole grants a verb
-    beyond get/list/watch: a namespaced install must have none (its write verbs live in Roles)."""
+    beyond get/list/watch: a namespaced install must have none (its write verbs live in Roles). The one
+    exception is the node cache agent's `patch nodes`, and only while the admission policy of the same name,
+    which confines it to its own node's cache labels, is enforced (tests/test_node_cache_policy.py)."""
     roles = {r["metadata"]["name"]: r for r in kube.get_json("clusterroles")["items"]}
+    enforced = {b["spec"]["policyName"] for b in kube.get_json("validatingadmissionpolicybindings")["items"]
+                if b["spec"].get("validationActions") == ["Deny"] and not b["spec"].get("matchResources")}
     found = []
     for binding in kube.get_json("clusterrolebindings")["items"]:
         ours = binding["metadata"].get("labels", {}).get("app.kubernetes.io/instance") == release
@@ -77,11 +81,16 @@ def cluster_write_grants(kube: Kube, release: str, namespace: str) -> list[str]:
         if not (ours or to_ours):
             continue
         rules = roles.get(binding["roleRef"]["name"], {}).get("rules") or []
+        if rules == [NODE_LABELS_RULE] and binding["roleRef"]["name"] in enforced:
+            continue
         writes = sorted({v for rule in rules for v in rule.get("verbs", [])} - {"get", "list", "watch"})
         if writes:
             found.append(f"ClusterRoleBinding {binding['metadata']['name']} -> ClusterRole "
                          f"{binding['roleRef']['name']}: {', '.join(writes)}")
     return found
+
+
+NODE_LABELS_RULE = {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}
 
 
 def uninstall_chart(kube: Kube, release: str, namespace: str, watch: str) -> None:

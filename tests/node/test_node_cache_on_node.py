@@ -25,6 +25,7 @@ import localcluster
 import localnode
 from checkpoints import LLAMA3, write_checkpoint
 from cluster_support import wait_for
+from ferry_worker.cache.node_labels import label_for
 from ferry_worker.cache.store import cache_key
 from ferry_worker.load.selection import select
 from ferry_worker.manifest import manifest_digest, read_manifest
@@ -191,9 +192,13 @@ def test_the_kubelet_registers_the_agent_as_a_csi_driver(node, chart_operator):
         return [d for d in csinode["spec"].get("drivers") or [] if d["name"] == DRIVER]
     (driver,) = wait_for(registered, f"the CSINode to list {DRIVER}", timeout=120)
     assert driver["nodeID"] == localnode.NODE_NAME
+    # Its token (for its node's cache labels) is the kubelet's projected, pod-bound one, and the agent found
+    # the policy that confines it enforced: it would log "labelling nothing" otherwise.
     pod = agent_pod(node, chart_operator["namespace"])
-    assert pod["spec"].get("automountServiceAccountToken") is False
-    assert not any(v.get("projected") for v in pod["spec"]["volumes"])  # no API token in the agent
+    assert any(s.get("serviceAccountToken") for v in pod["spec"]["volumes"]
+               for s in (v.get("projected") or {}).get("sources", []))
+    log = agent_log(node, chart_operator["namespace"])
+    assert "labelling nothing" not in log and "no service account token" not in log, log
 
 
 def test_one_fill_serves_two_restricted_pods_read_only(node, chart_operator, artifacts):
@@ -321,6 +326,12 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
                                                            "volumeAttributes": {"digest": digest}}}, volume
         row = node.kubectl("get", "mw", name, "-n", NAMESPACE).stdout.splitlines()
         assert row[1].split()[row[0].split().index("CACHED")] == "1"
+        # The agent labels its node with what it holds (through the chart's policy), and the wired pods
+        # prefer nodes with that label: preferred, not required, so compute still decides.
+        wait_for(lambda: node_labels(node).get(label_for(digest)) == "true", "the agent's label on the node")
+        assert template["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [
+            {"weight": 50, "preference": {"matchExpressions": [{"key": label_for(digest), "operator": "Exists"}]}}]
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in template["affinity"]["nodeAffinity"]
         assert len(fill_jobs(node, name)) == 1  # only the latest round is kept
 
         # A second replica on the same node: the same entry, no second fill.
@@ -354,6 +365,9 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
         new_digest = wait_for(rewired, "the Deployment wired to the new artifact", timeout=420)
         assert published(cache_key(new_digest)), "the Deployment was patched before the node held the new artifact"
         assert f"evicted {cache_key(digest)}" in agent_log(node, chart_operator["namespace"])
+        # The node's labels follow: the new artifact's on, the evicted one's off.
+        wait_for(lambda: label_for(new_digest) in node_labels(node) and label_for(digest) not in node_labels(node),
+                 "the node's cache labels follow the eviction")
         node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=1")
         wait_for(lambda: (mw_status(node, NAMESPACE, name).get("loaded") or {}).get("summary") == "1/1",
                  "the new replica loaded", timeout=240)
@@ -365,6 +379,10 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
                      timeout=120)
+
+
+def node_labels(kube) -> dict[str, str]:
+    return kube.get_json("node", localnode.NODE_NAME)["metadata"].get("labels") or {}
 
 
 def fill_jobs(kube, name: str) -> list[dict]:

@@ -83,6 +83,7 @@ class CacheStore:
                  disk_free: Callable[[], int] | None = None):
         self.root, self.marks, self.clock = Path(root), marks, clock
         self.disk_free = disk_free or (lambda: shutil.disk_usage(self.root).free)
+        self.on_change: Callable[[], None] = lambda: None  # an entry was published or removed (node labels)
         for part in ("entries", "filling", "holders", "meta", "locks", "slots"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
         for doomed in (self.root / "filling").glob(".evicted-*"):  # an eviction a crash interrupted
@@ -94,15 +95,19 @@ class CacheStore:
         path = self.root / "entries" / key
         return path if path.is_dir() else None
 
+    def keys(self) -> list[str]:
+        """The complete entries."""
+        return sorted(p.name for p in (self.root / "entries").iterdir())
+
     def listing(self) -> dict:
         """Every entry with its bytes, last use, pin and holders, and the totals against the watermarks."""
-        entries = {k: {**self._meta(k), "holders": self.holders(k)} for k in self._keys()}
+        entries = {k: {**self._meta(k), "holders": self.holders(k)} for k in self.keys()}
         return {"entries": entries, "usage": self.usage(), "high": self.marks.high, "low": self.marks.low}
 
     def usage(self) -> int:
         """Bytes of the complete entries and of the fills under way (a fill pod's slot counts the bytes it
         declared until it has written more: room made for one fill is not given to the next)."""
-        done = sum(self._meta(k).get("bytes", 0) for k in self._keys())
+        done = sum(self._meta(k).get("bytes", 0) for k in self.keys())
         return done + sum(max(_tree_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir())
 
     def _declared(self, key: str) -> int:
@@ -200,6 +205,7 @@ class CacheStore:
         os.rename(staging, final)
         fsync_dir(final.parent)
         (self.root / "slots" / key).unlink(missing_ok=True)
+        self.on_change()
         return final
 
     # -- holding, pinning, checking ------------------------------------------------------------------------------
@@ -276,7 +282,7 @@ class CacheStore:
         """Remove least recently used entries (not held, not pinned, not `keep`) until `needed` more bytes
         fit under the low watermark and above the disk's floor; returns the keys removed."""
         removed = []
-        candidates = sorted((k for k in self._keys() if k != keep and not self.holders(k)
+        candidates = sorted((k for k in self.keys() if k != keep and not self.holders(k)
                              and not self._meta(k).get("pinned")), key=lambda k: self._meta(k).get("lastUsed", 0))
         used, free = self.usage(), self.disk_free()
         for key in candidates:
@@ -308,14 +314,14 @@ class CacheStore:
             return
         # Evict only if that makes the fill fit: a fill that cannot fit anyway (a declared size larger than
         # the cache) must not empty the cache on its way to being refused.
-        evictable = sum(self._meta(k).get("bytes", 0) for k in self._keys()
+        evictable = sum(self._meta(k).get("bytes", 0) for k in self.keys()
                         if k != key and not self.holders(k) and not self._meta(k).get("pinned"))
         if self._fits(needed - evictable):
             self.evict(needed, keep=key)
         if self._fits(needed):
             return
         used, free = self.usage(), self.disk_free()
-        blocking = [k for k in self._keys() if self.holders(k) or self._meta(k).get("pinned")]
+        blocking = [k for k in self.keys() if self.holders(k) or self._meta(k).get("pinned")]
         why = (f"the cache holds {used} of its {self.marks.high}-byte high watermark"
                if used + needed > self.marks.high else
                f"the disk has {free} bytes free and must keep {self.marks.keep_free} (below that the kubelet "
@@ -333,15 +339,13 @@ class CacheStore:
         if path.exists():
             doomed = self.root / "filling" / f".evicted-{key}-{uuid.uuid4().hex[:8]}"
             os.rename(path, doomed)  # gone from entries/ at once; the bytes go after
+            self.on_change()
             _make_removable(doomed)
             shutil.rmtree(doomed)
         with contextlib.suppress(FileNotFoundError):
             (self.root / "meta" / f"{key}.json").unlink()
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _keys(self) -> list[str]:
-        return sorted(p.name for p in (self.root / "entries").iterdir())
-
     def _meta(self, key: str) -> dict:
         try:
             return json.loads((self.root / "meta" / f"{key}.json").read_text())

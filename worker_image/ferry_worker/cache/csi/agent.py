@@ -1,8 +1,10 @@
 """`ferry cache agent`: the node agent of the chart's DaemonSet. One gRPC
 server on two unix sockets under the kubelet's directory: the CSI driver's
 (<kubelet>/plugins/cache.ferry.dev/csi.sock) and the registration socket the
-kubelet watches (<kubelet>/plugins_registry/cache.ferry.dev-reg.sock). It
-talks to nothing but its own kubelet: no API access, no token."""
+kubelet watches (<kubelet>/plugins_registry/cache.ferry.dev-reg.sock). Its
+one write to the API server is its own node's cache labels (node_labels.py),
+with the pod-bound token the kubelet projects; without a token it labels
+nothing and serves all the same."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +20,8 @@ from ..store import CacheStore
 from .driver import DRIVER, IdentityService, NodeService
 from .proto import csi_pb2_grpc, pluginregistration_pb2_grpc
 from .registration import Registration
+from ..node_labels import NodeLabeler
+from ...pod_status import STANDARD_TOKEN_DIR, connect
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +52,24 @@ def start(store: CacheStore, kubelet_dir: Path, node_name: str, mount_wait: floa
     return server
 
 
+def labeler(store: CacheStore, node_name: str, token_dir: Path = STANDARD_TOKEN_DIR) -> NodeLabeler | None:
+    """The node's cache labeller, if the agent has a token; else None (the agent serves all the same, and
+    the operator's pods get no preference)."""
+    if not (token_dir / "token").is_file():
+        log.warning("no service account token in %s: node %s gets no cache labels", token_dir, node_name)
+        return None
+    core_api, _ = connect(token_dir)
+    node_labels = NodeLabeler(store, node_name, core_api)
+    store.on_change = node_labels.changed
+    return node_labels
+
+
 def serve(store: CacheStore, kubelet_dir: Path, node_name: str, mount_wait: float) -> int:
-    server = start(store, kubelet_dir, node_name, mount_wait)
     stop = threading.Event()
+    node_labels = labeler(store, node_name)
+    server = start(store, kubelet_dir, node_name, mount_wait)
+    if node_labels is not None:
+        threading.Thread(target=node_labels.run, args=(stop,), name="node-labels", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()

@@ -1,0 +1,156 @@
+"""Least privilege of the node cache agent, on the real API server.
+
+The chart's node-cache role lets the agent's ServiceAccount patch nodes (RBAC
+cannot say "only your own node"); its admission policy narrows that to: with
+a token bound to a pod on that node, on that node only, labels under
+cache.ferry.dev/ only. Tokens are minted bound to a pod exactly as the
+kubelet mints the projected one (the TokenRequest API with a bound pod, whose
+node the API server writes into the token), and the agent's own labeller
+sends the patches.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes.client.exceptions import ApiException
+
+import localcluster
+from cluster_support import Kube, wait_for
+from ferry_worker.cache.node_labels import NodeLabeler, label_for
+from ferry_worker.cache.store import CacheStore, Watermarks
+from ferry_worker.pod_status import connect
+
+pytestmark = pytest.mark.cluster
+
+RELEASE = "policy-test"  # not the chart tests' "ferry"
+AGENT = f"{RELEASE}-ferry-node-cache"
+NAMESPACE = "ferry-system"
+OWN, OTHER = localcluster.FAKE_NODES
+DIGEST = "sha256:" + "7" * 64
+
+
+@pytest.fixture(scope="module")
+def agent_policy(kube: Kube):
+    objects = [o for o in localcluster.render_chart(RELEASE, "templates/node-cache.yaml",
+                                                   values=("nodeCache.enabled=true",))
+               if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                                "ValidatingAdmissionPolicyBinding")]
+    assert sorted(o["kind"] for o in objects) == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount",
+                                                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    kube.kubectl("create", "namespace", NAMESPACE, check=False)
+    for o in objects:
+        kube.apply(o)
+    yield objects
+    for o in objects:
+        kube.kubectl("delete", o["kind"], o["metadata"]["name"], "-n", NAMESPACE, "--ignore-not-found", check=False)
+    for node in localcluster.FAKE_NODES:
+        labels = kube.get_json("node", node)["metadata"].get("labels", {})
+        for key in [k for k in labels if k.startswith("cache.ferry.dev/")]:
+            kube.kubectl("label", "node", node, f"{key}-", check=False)
+
+
+def agent_pod(kube: Kube, name: str) -> dict:
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"serviceAccountName": AGENT, "nodeName": OWN,
+                         "tolerations": [{"operator": "Exists"}],
+                         "containers": [{"name": "agent", "image": "ferry.local/ferry:dev"}]}})
+    return kube.get_json("pod", name, "-n", NAMESPACE)
+
+
+def api_as(kube: Kube, tmp: Path, pod: dict | None, monkeypatch):
+    argv = ["create", "token", AGENT, "-n", NAMESPACE, "--duration=10m"]
+    if pod is not None:
+        argv += ["--bound-object-kind", "Pod", "--bound-object-name", pod["metadata"]["name"],
+                 "--bound-object-uid", pod["metadata"]["uid"]]
+    d = tmp / (pod["metadata"]["name"] if pod else "unbound")
+    d.mkdir()
+    (d / "token").write_text(kube.kubectl(*argv).stdout.strip())
+    (d / "namespace").write_text(NAMESPACE)
+    (d / "ca.crt").write_text(kube.get_json("configmap", "kube-root-ca.crt", "-n", NAMESPACE)["data"]["ca.crt"])
+    server = yaml.safe_load(kube.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    host, port = server.removeprefix("https://").rsplit(":", 1)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+    return connect(d)[0]
+
+
+def denied(call) -> str:
+    with pytest.raises(ApiException) as refused:
+        call()
+    assert refused.value.status == 403, refused.value.body
+    return refused.value.body
+
+
+FORBIDDEN_CHANGES = [
+    {"metadata": {"labels": {"team": "stolen"}}},
+    {"metadata": {"labels": {"kubernetes.io/hostname": None}}},
+    {"metadata": {"annotations": {"ferry.dev/x": "y"}}},
+    {"spec": {"unschedulable": True}},
+    {"spec": {"taints": [{"key": "ferry.dev/mine", "effect": "NoSchedule"}]}},
+    # A cache label may change; another label in the same patch may not.
+    {"metadata": {"labels": {"cache.ferry.dev/" + "8" * 63: "true", "nvidia.com/gpu.product": "x"}}},
+]
+
+
+def test_the_agent_labels_its_own_node_with_its_cache_and_nothing_else(kube, agent_policy, tmp_path, monkeypatch):
+    pod = agent_pod(kube, "node-cache-agent")
+    api = api_as(kube, tmp_path, pod, monkeypatch)
+    store = CacheStore(tmp_path / "cache", Watermarks(high=1 << 30, low=1 << 29))
+    (store.root / "entries" / DIGEST.removeprefix("sha256:")).mkdir()  # a complete entry, as the store lists it
+    labeler = NodeLabeler(store, OWN, api, period=3600)
+
+    # The role is in force (a dry run of a cache label passes) and so is the policy (the agent's own
+    # dry-run probe, of a label outside cache.ferry.dev/, is refused): bindings may take a moment.
+    wait_for(lambda: not _refused(lambda: api.patch_node(OWN, {"metadata": {"labels": {label_for(DIGEST): "true"}}},
+                                                         dry_run="All")), "the agent's role in force")
+    wait_for(lambda: labeler.policy_enforced(), "the node-cache policy enforced")
+
+    # Its own node's cache labels: the labeller's sync writes exactly the entry's label.
+    stop = threading.Event()
+    labeler.changed()
+    worker = threading.Thread(target=labeler.run, args=(stop,))
+    worker.start()
+    try:
+        wait_for(lambda: kube.get_json("node", OWN)["metadata"]["labels"].get(label_for(DIGEST)) == "true",
+                 "the agent's label on its node")
+    finally:
+        stop.set()
+        labeler.changed()
+        worker.join(10)
+
+    # Another node, with this node's token: denied, naming both.
+    body = denied(lambda: api.patch_node(OTHER, {"metadata": {"labels": {label_for(DIGEST): "true"}}}))
+    assert f"labels only the node it runs on" in body and f"{OWN} tried to change node {OTHER}" in body
+    assert label_for(DIGEST) not in kube.get_json("node", OTHER)["metadata"].get("labels", {})
+
+    # Its own node, anything but cache labels: denied.
+    before = kube.get_json("node", OWN)
+    for change in FORBIDDEN_CHANGES:
+        body = denied(lambda: api.patch_node(OWN, change))
+        assert "may change only labels under cache.ferry.dev/" in body, change
+    after = kube.get_json("node", OWN)
+    assert after["metadata"]["labels"] == before["metadata"]["labels"] and after["spec"] == before["spec"]
+
+    # The entry evicted: the label goes.
+    (store.root / "entries" / DIGEST.removeprefix("sha256:")).rmdir()
+    labeler.sync()
+    assert label_for(DIGEST) not in kube.get_json("node", OWN)["metadata"]["labels"]
+
+
+def test_a_token_bound_to_no_pod_labels_no_node(kube, agent_policy, tmp_path, monkeypatch):
+    api = api_as(kube, tmp_path, None, monkeypatch)
+    wait_for(lambda: _refused(lambda: api.patch_node(OWN, {"metadata": {"labels": {label_for(DIGEST): "true"}}})),
+             "the node-cache policy enforced")
+    body = denied(lambda: api.patch_node(OWN, {"metadata": {"labels": {label_for(DIGEST): "true"}}}))
+    assert "a token bound to no node tried to change node" in body
+
+
+def _refused(call) -> bool:
+    try:
+        call()
+        return False
+    except ApiException as exc:
+        return exc.status == 403

@@ -1,0 +1,103 @@
+"""The node agent's cache labels, unit level: what it writes for what its
+store holds, that it leaves every other label alone, that it follows fills
+and evictions, and that it labels nothing unless the admission policy
+confining it is enforced. The API server is a fake here (a recording
+CoreV1Api); the policy itself is proven on the real API server in
+tests/test_node_cache_policy.py, and the labels on the real node in
+tests/node/test_node_cache_on_node.py."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from ferry_operator.serving import cache_label
+from ferry_worker.cache.node_labels import LABEL_PREFIX, NodeLabeler, label_for, label_patch, wanted_labels
+from ferry_worker.cache.store import CacheStore, Watermarks, cache_key
+from ferry_worker.manifest import manifest_digest
+
+BIG = Watermarks(high=1 << 40, low=1 << 39)
+
+
+class FakeNodes:
+    """The two node calls the labeller makes, on one node's labels; `deny_probe` is the admission policy."""
+
+    def __init__(self, labels: dict[str, str], deny_probe: bool = True):
+        self.labels, self.deny_probe, self.patches = dict(labels), deny_probe, []
+
+    def read_node(self, name):
+        return SimpleNamespace(metadata=SimpleNamespace(labels=dict(self.labels)))
+
+    def patch_node(self, name, body, dry_run=None, field_manager=None):
+        changes = body["metadata"]["labels"]
+        if dry_run:
+            if self.deny_probe and any(not k.startswith(LABEL_PREFIX) for k in changes):
+                raise ApiException(status=403, reason="Forbidden")
+            return
+        self.patches.append(changes)
+        for k, v in changes.items():
+            if v is None:
+                self.labels.pop(k, None)
+            else:
+                self.labels[k] = v
+
+
+def test_the_operator_prefers_exactly_the_label_the_agent_writes():
+    d = "sha256:" + "ab" * 32
+    assert cache_label(d) == label_for(d) == LABEL_PREFIX + ("ab" * 32)[:63]
+    assert len(label_for(d).split("/", 1)[1]) == 63  # a label name's limit
+
+
+def test_the_patch_adds_and_removes_only_cache_labels():
+    other = {"kubernetes.io/hostname": "n1", "cache.ferry.dev/" + "0" * 63: "true", "team": "ml"}
+    want = {"cache.ferry.dev/" + "1" * 63}
+    assert label_patch(other, want) == {"metadata": {"labels": {
+        "cache.ferry.dev/" + "1" * 63: "true", "cache.ferry.dev/" + "0" * 63: None}}}
+    assert label_patch({**other, "cache.ferry.dev/" + "1" * 63: "true"} | {"cache.ferry.dev/" + "0" * 63: "true"},
+                       {"cache.ferry.dev/" + "0" * 63, "cache.ferry.dev/" + "1" * 63}) is None
+
+
+def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
+    store = CacheStore(tmp_path / "cache", BIG)
+    nodes = FakeNodes({"kubernetes.io/hostname": "n1"})
+    labeler = NodeLabeler(store, "n1", nodes, period=3600)
+    store.on_change = labeler.changed
+    a0, a1 = cache_artifacts["a0"], cache_artifacts["a1"]
+    store.fill(a0, manifest_digest(a0))
+    store.fill(a1, manifest_digest(a1), ranks=[0])  # one rank's entry serves no wired pod: no label
+    assert wanted_labels(store) == {label_for(manifest_digest(a0))}
+    assert labeler._dirty.is_set()  # the publish asked for a sync
+
+    stop = threading.Event()
+    worker = threading.Thread(target=labeler.run, args=(stop,))
+    worker.start()
+    try:
+        _until(lambda: label_for(manifest_digest(a0)) in nodes.labels)
+        store.remove(cache_key(manifest_digest(a0)))
+        _until(lambda: label_for(manifest_digest(a0)) not in nodes.labels)
+    finally:
+        stop.set()
+        labeler.changed()
+        worker.join(5)
+    assert nodes.labels == {"kubernetes.io/hostname": "n1"}  # the node's own label untouched throughout
+    assert labeler.sync() is None  # nothing left to change
+
+
+def test_without_the_policy_the_agent_labels_nothing(tmp_path, cache_artifacts, caplog):
+    store = CacheStore(tmp_path / "cache", BIG)
+    store.fill(cache_artifacts["a0"], manifest_digest(cache_artifacts["a0"]))
+    nodes = FakeNodes({"kubernetes.io/hostname": "n1"}, deny_probe=False)
+    labeler = NodeLabeler(store, "n1", nodes, period=3600)
+    labeler.run(threading.Event())  # returns at once: fails closed
+    assert nodes.patches == [] and "labelling nothing" in caplog.text
+
+
+def _until(condition, timeout: float = 10.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("timed out")
+        time.sleep(0.02)

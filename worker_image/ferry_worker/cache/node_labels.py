@@ -1,0 +1,106 @@
+"""The node's labels for what its cache holds: `cache.ferry.dev/<digest>: "true"`
+for each whole-artifact entry, so the operator can give wired pods a
+*preferred* node affinity towards nodes that already hold their artifact.
+
+The agent is the one writer that knows what its disk holds (fills, evictions,
+an admin's `ferry cache evict`), so it keeps the labels itself: after each
+publish and removal, and every `period` seconds in case a patch failed. It
+may touch nothing else. Its ServiceAccount may patch nodes (RBAC cannot say
+"only your own node"), and the chart's admission policy narrows that to: with
+a token bound to a pod on that node, on that node only, only labels under
+cache.ferry.dev/ (charts/ferry/templates/node-cache.yaml). The agent checks
+the policy is enforced before its first write (a dry run that must be
+denied) and labels nothing if it is not: it fails closed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from .store import CacheStore
+
+log = logging.getLogger(__name__)
+
+LABEL_PREFIX = "cache.ferry.dev/"
+PROBE_LABEL = "ferry.dev/node-cache-policy-probe"  # outside the prefix: the policy must refuse it
+FIELD_MANAGER = "ferry-node-cache"
+
+
+def label_for(digest: str) -> str:
+    """The label of an artifact's entry: as much of the digest's hex as a label name holds (63)."""
+    return LABEL_PREFIX + digest.removeprefix("sha256:")[:63]
+
+
+def wanted_labels(store: CacheStore) -> set[str]:
+    """One label per complete whole-artifact entry (entries of some ranks only serve no wired pod)."""
+    return {label_for(key) for key in store.keys() if "." not in key}
+
+
+def label_patch(current: dict[str, str], wanted: set[str]) -> dict[str, Any] | None:
+    """The merge patch that makes the node's cache labels exactly `wanted`, leaving every other label."""
+    ours = {k for k in current if k.startswith(LABEL_PREFIX)}
+    changes: dict[str, str | None] = {k: "true" for k in sorted(wanted) if current.get(k) != "true"}
+    changes |= {k: None for k in sorted(ours - wanted)}
+    return {"metadata": {"labels": changes}} if changes else None
+
+
+class NodeLabeler:
+    def __init__(self, store: CacheStore, node_name: str, core_api: Any, period: float = 60.0):
+        self.store, self.node_name, self._api, self.period = store, node_name, core_api, period
+        self._dirty = threading.Event()
+
+    def changed(self) -> None:
+        """The store published or removed an entry: sync soon."""
+        self._dirty.set()
+
+    def policy_enforced(self) -> bool:
+        """Whether the admission policy refuses this agent a label outside cache.ferry.dev/ on its own
+        node (a dry run: nothing is written either way)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._api.patch_node(self.node_name, {"metadata": {"labels": {PROBE_LABEL: "x"}}}, dry_run="All",
+                                 field_manager=FIELD_MANAGER)
+        except ApiException as exc:
+            if exc.status == 403:
+                return True
+            raise
+        log.error("the admission policy that confines this agent to its own node's %s labels is not enforced "
+                  "(a dry-run patch of %s was allowed): labelling nothing; install the chart's node-cache "
+                  "policy and restart the agent", LABEL_PREFIX, PROBE_LABEL)
+        return False
+
+    def sync(self) -> dict[str, Any] | None:
+        """Patch the node's cache labels to match the store; returns the patch (None: already matched)."""
+        node = self._api.read_node(self.node_name)
+        patch = label_patch(dict(node.metadata.labels or {}), wanted_labels(self.store))
+        if patch is not None:
+            self._api.patch_node(self.node_name, patch, field_manager=FIELD_MANAGER)
+            log.info("node %s labels: %s", self.node_name,
+                     ", ".join(f"{k}={'removed' if v is None else v}" for k, v in patch["metadata"]["labels"].items()))
+        return patch
+
+    def run(self, stop: threading.Event) -> None:
+        """Once the policy is known to be enforced: sync at start, after each change, and every `period`
+        seconds, until `stop`. A policy found missing stops the labelling for good (fails closed)."""
+        while not stop.is_set():
+            try:
+                if not self.policy_enforced():
+                    return
+                break
+            except Exception as exc:  # the API server away: asked again next period
+                log.warning("could not check the node-cache admission policy (%s); retrying in %.0f s",
+                            exc, self.period)
+                stop.wait(self.period)
+        self._dirty.set()
+        while not stop.is_set():
+            self._dirty.wait(self.period)
+            if stop.is_set():
+                return
+            self._dirty.clear()
+            try:
+                self.sync()
+            except Exception as exc:  # the API server away, a denial: said, and tried again next period
+                log.warning("could not label node %s with its cache entries (%s); retrying in %.0f s",
+                            self.node_name, exc, self.period)
