@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=5, help="decoder layers of the Llama-3-8B-shaped checkpoint")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the artifact")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--reverify-after", type=int, default=3600, metavar="SECONDS",
+                    help="the chart's nodeCache.reverifyAfterSeconds (0: the agent verifies every byte at each mount)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoint is generated (default: tmp)")
     args = ap.parse_args()
 
@@ -67,7 +69,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="ferry-ready-bench-", dir=args.workdir))
     cache_root = paths.root / "bench-node-cache"
     try:
-        install(kube, paths, image, cache_root)
+        install(kube, paths, image, cache_root, args.reverify_after)
         digest, nbytes = write_artifact(kube, work, args.layers, args.tp, images["busybox"]["ref"])
         print(f"artifact: {nbytes / 1e9:.2f} GB, TP {args.tp}, {digest}", flush=True)
         fill_seconds = run_pod(kube, fill_pod(image, digest, nbytes))
@@ -79,15 +81,18 @@ def main() -> int:
                 drop_page_cache("a cold page cache needs root (the node runs as root here)")
                 times[path].append(run_pod(kube, load_pod(image, digest, path, run)))
                 print(f"run {run + 1} {path}: {times[path][-1]:.2f} s", flush=True)
+        for line in agent_log(kube).splitlines():  # whether each mount verified the entry, in the agent's words
+            if "serving (read-only)" in line:
+                print("agent:", line.split("serving (read-only) ", 1)[1], flush=True)
         claim, cache = statistics.median(times["claim"]), statistics.median(times["cache"])
-        print(json.dumps({"bytes": nbytes, "tp": args.tp, "runs": times, "median_claim_s": round(claim, 2),
+        print(json.dumps({"bytes": nbytes, "tp": args.tp, "reverify_after": args.reverify_after, "runs": times, "median_claim_s": round(claim, 2),
                           "median_cache_s": round(cache, 2), "ratio_claim_over_cache": round(claim / cache, 2),
                           "fill_pod_s": round(fill_seconds, 2)}, indent=1))
     finally:
         kube.run("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=180s", check=False)
         subprocess.run([str(localcluster.binaries() / "helm"), "--kubeconfig", str(localcluster.KUBECONFIG),
                         "uninstall", RELEASE, "-n", SYSTEM, "--wait"], capture_output=True)
-        kube.run("delete", "namespace", SYSTEM, "--wait=false", check=False)
+        kube.run("delete", "namespace", SYSTEM, "--wait=true", "--timeout=180s", check=False)
         shutil.rmtree(work, ignore_errors=True)
         _remove_tree(cache_root)
     return 0
@@ -110,8 +115,11 @@ class Kubectl:
         return json.loads(self.run("get", *argv, "-o", "json").stdout)
 
 
-def install(kube: Kubectl, paths, image: str, cache_root: Path) -> None:
+def install(kube: Kubectl, paths, image: str, cache_root: Path, reverify_after: int) -> None:
     repository, _, tag = image.rpartition(":")
+    for ns in (NAMESPACE, SYSTEM):  # an earlier run's may still be going away
+        _until(lambda: kube.run("get", "namespace", ns, "-o", "jsonpath={.status.phase}", check=False).stdout
+               != "Terminating", f"namespace {ns} gone")
     kube.run("create", "namespace", NAMESPACE, check=False)
     proc = subprocess.run(
         [str(localcluster.binaries() / "helm"), "--kubeconfig", str(localcluster.KUBECONFIG), "upgrade", "--install",
@@ -121,6 +129,7 @@ def install(kube: Kubectl, paths, image: str, cache_root: Path) -> None:
          "--set", "nodeCache.enabled=true", "--set", f"nodeCache.kubeletDir={paths.kubelet_root}",
          "--set", f"nodeCache.hostPath={cache_root}", "--set", "nodeCache.high=40Gi", "--set", "nodeCache.low=30Gi",
          "--set", "nodeCache.kubeletEvictionHard=1%", "--set", "nodeCache.mountWaitSeconds=5",
+         "--set", f"nodeCache.reverifyAfterSeconds={reverify_after}",
          "--wait", "--timeout", "180s"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"helm install {RELEASE}: {proc.stderr.strip()} (another release's nodeCache on this "
@@ -195,6 +204,12 @@ def run_pod(kube: Kubectl, manifest: dict) -> float:
         raise RuntimeError(f"pod {name} failed:\n{log}")
     kube.run("delete", "pod", name, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
     return elapsed
+
+
+def agent_log(kube: Kubectl) -> str:
+    pods = kube.get("pods", "-n", SYSTEM, "-l", "app.kubernetes.io/component=node-cache")["items"]
+    (agent,) = [p for p in pods if p["spec"].get("nodeName") == localnode.NODE_NAME]
+    return kube.run("logs", agent["metadata"]["name"], "-n", SYSTEM, check=False).stdout
 
 
 def wait_published(cache_root: Path, digest: str) -> None:

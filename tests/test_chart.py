@@ -416,7 +416,7 @@ def test_node_cache_agent_when_enabled(helm):
     assert c["securityContext"]["privileged"] is True
     assert c["command"] == ["ferry", "cache", "--root", "/var/lib/ferry/cache", "--high", "90%", "--low", "80%",
                             "--eviction-hard", "10%", "agent", "--kubelet-dir", "/var/lib/kubelet",
-                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30"]
+                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30", "--reverify-after", "3600"]
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -432,7 +432,7 @@ def test_node_cache_agent_when_enabled(helm):
 @pytest.mark.helm
 def test_node_cache_values_reach_the_agent(helm, tmp_path):
     docs = render(helm, "nodeCache.enabled=true", "nodeCache.high=3500000", "nodeCache.low=500Gi",
-                  "nodeCache.kubeletEvictionHard=1Gi", "nodeCache.mountWaitSeconds=5",
+                  "nodeCache.kubeletEvictionHard=1Gi", "nodeCache.mountWaitSeconds=5", "nodeCache.reverifyAfterSeconds=0",
                   "nodeCache.kubeletDir=/data/kubelet", "nodeCache.hostPath=/mnt/nvme/ferry",
                   "nodeCache.nodeSelector.pool=gpu")
     (ds,) = by_kind(docs, "DaemonSet")
@@ -442,6 +442,7 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     flags = dict(zip(args[2:10:2], args[3:10:2]))
     assert flags == {"--root": "/var/lib/ferry/cache", "--high": "3500000", "--low": "500Gi", "--eviction-hard": "1Gi"}
     assert args[args.index("--mount-wait") + 1] == "5"
+    assert args[args.index("--reverify-after") + 1] == "0"
     assert args[args.index("--kubelet-dir") + 1] == "/data/kubelet"
     (kubelet,) = [m for m in c["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
     assert kubelet["mountPath"] == "/data/kubelet"
@@ -466,6 +467,7 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     ("nodeCache.high=150%", "high"),
     ("nodeCache.kubeletEvictionHard=-1", "kubeletEvictionHard"),
     ("nodeCache.mountWaitSeconds=-1", "mountWaitSeconds"),
+    ("nodeCache.reverifyAfterSeconds=-1", "reverifyAfterSeconds"),
     ("nodeCache.bogus=1", "bogus"),
 ])
 def test_node_cache_values_schema_rejects_bad_values(helm, bad, words):

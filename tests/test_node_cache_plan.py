@@ -18,7 +18,7 @@ from ferry_operator.executors.cache_fill import fill_facts, fill_job_manifest
 from ferry_operator.executors.jobs import WorkerSettings
 from ferry_operator.node_cache import FillFacts, FillNode, RemoveFill
 from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
-from ferry_operator.serving import DeploymentFacts
+from ferry_operator.serving import DeploymentFacts, cache_label
 from ferry_operator.serving_loader import LoaderSettings
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import PodFacts
@@ -115,9 +115,9 @@ def ferry_terms(d: DeploymentFacts) -> list[dict]:
 def test_wired_pods_prefer_the_nodes_that_hold_their_artifact_and_keep_the_users_preferences():
     m = cached()
     on_cache = wired(m, deployment(preferred_nodes=[USERS_TERM]))
-    # The node agent's label for this digest (as much of it as a label name holds), preferred, never required.
+    # The node agent's label for this digest (a hash of it), preferred, never required.
     assert ferry_terms(on_cache) == [{"weight": 50, "preference": {"matchExpressions": [
-        {"key": "cache.ferry.dev/" + "1" * 63, "operator": "Exists"}]}}]
+        {"key": cache_label(DIGEST), "operator": "Exists"}]}}]
     assert on_cache.preferred_nodes[0] == USERS_TERM
     assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []  # wired: no second roll
 
@@ -127,7 +127,7 @@ def test_wired_pods_prefer_the_nodes_that_hold_their_artifact_and_keep_the_users
     terms = patch.patch["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "preferredDuringSchedulingIgnoredDuringExecution"]
     assert terms == [USERS_TERM, {"weight": 50, "preference": {"matchExpressions": [
-        {"key": "cache.ferry.dev/" + "2" * 63, "operator": "Exists"}]}}]
+        {"key": cache_label("sha256:" + "2" * 64), "operator": "Exists"}]}}]
 
     # The cache turned off: Ferry's term goes with it, the user's stays.
     plain = parse({**manifest(), "metadata": {"name": "llama", "generation": 2, "namespace": "ml", "uid": "u-1"}})

@@ -13,6 +13,7 @@ clients (see served_model_name).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -195,8 +196,10 @@ CACHE_AFFINITY_WEIGHT = 50
 
 
 def cache_label(digest: str) -> str:
-    """The label the node agent puts on a node that holds the artifact's entry."""
-    return CACHE_LABEL_PREFIX + digest.removeprefix("sha256:")[:63]
+    """The label the node agent puts on a node that holds the artifact's entry: a hash of the digest (node
+    labels are readable cluster-wide; the digest is what a cache volume names), 63 hex digits."""
+    return CACHE_LABEL_PREFIX + hashlib.sha256(b"cache.ferry.dev node label of "
+                                               + digest.removeprefix("sha256:").encode()).hexdigest()[:63]
 
 
 def preferred_nodes(current: list[dict[str, Any]], digest: str | None) -> list[dict[str, Any]]:

@@ -344,6 +344,9 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
         assert sum(f"fill slot of {cache_key(digest)}" in line for line in log.splitlines()) == 1, log
         for pod in pods:
             assert f"serving (read-only) {cache_key(digest)} for pod {NAMESPACE}/{pod}" in log
+            # Loaded is the init container's word; the serving container starts a moment later.
+            wait_for(lambda: any(c["name"] == "vllm" and "running" in (c.get("state") or {}) for c in node.get_json(
+                "pod", pod, "-n", NAMESPACE)["status"].get("containerStatuses") or []), f"{pod}'s vllm running")
             refused = node.kubectl("exec", pod, "-n", NAMESPACE, "-c", "vllm", "--", "touch", "/ferry/weights/x",
                                    check=False)
             assert refused.returncode != 0 and "Read-only file system" in refused.stderr, refused.stderr

@@ -162,6 +162,42 @@ def test_a_corrupt_entry_is_refused_removed_and_refilled(tmp_path, artifacts):
     assert refilled[0] > 0
 
 
+def test_a_mount_verifies_every_byte_unless_recently_verified_and_unchanged(tmp_path, artifacts, monkeypatch):
+    """Within reverify_after of the last verification (the fill's, or a mount's) with the files unchanged, a
+    mount reads nothing; a write to a file (its ctime) or the window passing brings the full check back."""
+    import ferry_worker.cache.store as store_module
+
+    reads = []
+    real_read = store_module.read_files
+    monkeypatch.setattr(store_module, "read_files", lambda *a, **kw: reads.append(1) or real_read(*a, **kw))
+    clock = [1000.0]
+    store = CacheStore(tmp_path / "cache", BIG, clock=lambda: clock[0], reverify_after=600)
+    source = artifacts["a0"]
+    key = cache_key(digest(source))
+    store.fill(source, digest(source))  # verified on its way in
+    reads.clear()
+    assert store.mount_entry(key, "pod-a") == (store.entry(key), False) and reads == []
+    clock[0] += 601
+    assert store.mount_entry(key, "pod-b") == (store.entry(key), True) and reads == [1]  # the window passed
+    clock[0] += 300
+    assert store.mount_entry(key, "pod-c")[1] is False  # within the window of pod-b's verification
+
+    # A byte flipped by a write: the files changed since, so the next mount verifies and refuses.
+    victim = store.entry(key) / "model-rank-1-part-0.safetensors"
+    victim.chmod(0o644)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="model-rank-1-part-0.safetensors"):
+        store.mount_entry(key, "pod-d")
+    assert "pod-d" not in store.holders(key)
+
+    # reverify_after 0: every mount verifies.
+    store2 = CacheStore(tmp_path / "cache2", BIG)
+    store2.fill(source, digest(source))
+    assert store2.mount_entry(key, "pod-a")[1] is True and store2.mount_entry(key, "pod-b")[1] is True
+
+
 def test_eviction_is_lru_between_watermarks_and_spares_mounted_and_pinned(tmp_path, artifacts):
     size = sum(e.size for e in read_manifest(artifacts["a0"]).files)
     clock = [1000.0]

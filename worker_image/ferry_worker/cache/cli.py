@@ -53,6 +53,10 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
     agent.add_argument("--mount-wait", type=float, default=30.0, metavar="SECONDS",
                        help="how long a serving mount waits for a fill under way before it fails "
                             "(the kubelet retries it)")
+    agent.add_argument("--reverify-after", type=float, default=3600.0, metavar="SECONDS",
+                       help="a serving mount verifies every byte of the entry unless it was verified less than "
+                            "this long ago and its files are unchanged since (0: at every mount; the pod's "
+                            "loader verifies what it reads either way; default 3600)")
     cache.set_defaults(run=_cache)
 
 
@@ -102,6 +106,7 @@ def _cache(args: argparse.Namespace) -> int:
     if args.action == "agent":
         from .csi.agent import serve
 
+        store.reverify_after = args.reverify_after
         return serve(store, args.kubelet_dir, args.node_name, args.mount_wait)
     if args.action == "fill":
         print(store.fill(args.source, args.digest, args.ranks))

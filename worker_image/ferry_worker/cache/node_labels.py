@@ -1,5 +1,5 @@
-"""The node's labels for what its cache holds: `cache.ferry.dev/<digest>: "true"`
-for each whole-artifact entry, so the operator can give wired pods a
+"""The node's labels for what its cache holds: `cache.ferry.dev/<hash of the
+digest>: "true"` for each whole-artifact entry, so the operator can give wired pods a
 *preferred* node affinity towards nodes that already hold their artifact.
 
 The agent is the one writer that knows what its disk holds (fills, evictions,
@@ -14,6 +14,7 @@ denied) and labels nothing if it is not: it fails closed.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from typing import Any
@@ -23,13 +24,16 @@ from .store import CacheStore
 log = logging.getLogger(__name__)
 
 LABEL_PREFIX = "cache.ferry.dev/"
+LABEL_SALT = b"cache.ferry.dev node label of "  # the operator's serving.cache_label hashes the same
 PROBE_LABEL = "ferry.dev/node-cache-policy-probe"  # outside the prefix: the policy must refuse it
 FIELD_MANAGER = "ferry-node-cache"
 
 
 def label_for(digest: str) -> str:
-    """The label of an artifact's entry: as much of the digest's hex as a label name holds (63)."""
-    return LABEL_PREFIX + digest.removeprefix("sha256:")[:63]
+    """The label of an artifact's entry: a hash of its digest, not the digest. Anyone who may read nodes
+    reads their labels, and a digest is what a pod's cache volume names, so the label must not give it
+    away. 63 hex digits: a label name's limit."""
+    return LABEL_PREFIX + hashlib.sha256(LABEL_SALT + digest.removeprefix("sha256:").encode()).hexdigest()[:63]
 
 
 def wanted_labels(store: CacheStore) -> set[str]:

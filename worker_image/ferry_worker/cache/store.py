@@ -80,8 +80,11 @@ def cache_key(digest: str, ranks: list[int] | None = None) -> str:
 
 class CacheStore:
     def __init__(self, root: Path, marks: Watermarks, clock: Callable[[], float] = time.time,
-                 disk_free: Callable[[], int] | None = None):
+                 disk_free: Callable[[], int] | None = None, reverify_after: float = 0.0):
         self.root, self.marks, self.clock = Path(root), marks, clock
+        # A serving mount skips the full verification of an entry verified less than this many seconds ago
+        # whose files are unchanged since (same inodes, sizes, mtimes, ctimes: a write shows); 0: every mount.
+        self.reverify_after = reverify_after
         self.disk_free = disk_free or (lambda: shutil.disk_usage(self.root).free)
         self.on_change: Callable[[], None] = lambda: None  # an entry was published or removed (node labels)
         for part in ("entries", "filling", "holders", "meta", "locks", "slots"):
@@ -205,6 +208,7 @@ class CacheStore:
         os.rename(staging, final)
         fsync_dir(final.parent)
         (self.root / "slots" / key).unlink(missing_ok=True)
+        self._stamp_verified(key)  # every byte was verified on its way in
         self.on_change()
         return final
 
@@ -222,11 +226,15 @@ class CacheStore:
             self.touch(key)
             return path
 
-    def mount_entry(self, key: str, holder: str) -> Path:
-        """The entry, held by `holder` and verified byte by byte (what a serving mount gets). A corrupt
-        entry is released and, unless another pod still has it mounted, removed: the next fill fetches it
-        again. Raises IntegrityError naming the file."""
+    def mount_entry(self, key: str, holder: str) -> tuple[Path, bool]:
+        """(the entry, held by `holder`; whether it was verified byte by byte now): what a serving mount
+        gets. Verified unless it was within `reverify_after` with its files unchanged since, so a burst of
+        pods on one node (a rollout, a scale-up) pays for one verification; the pod's loader verifies every
+        byte it reads either way. A corrupt entry is released and, unless another pod still has it mounted,
+        removed: the next fill fetches it again. Raises IntegrityError naming the file."""
         path = self.acquire(key, holder)
+        if self._recently_verified(key):
+            return path, False
         try:
             self.check(key)
         except IntegrityError:
@@ -239,7 +247,18 @@ class CacheStore:
         except BaseException:
             self.release(key, holder)
             raise
-        return path
+        return path, True
+
+    def _recently_verified(self, key: str) -> bool:
+        verified = self._meta(key).get("verified") or {}
+        return (self.reverify_after > 0 and verified.get("at", float("-inf")) >= self.clock() - self.reverify_after
+                and verified.get("files") == _fingerprint(self.root / "entries" / key))
+
+    def _stamp_verified(self, key: str) -> None:
+        meta = self._meta(key)
+        if meta:
+            _write_json(self.root / "meta" / f"{key}.json",
+                        {**meta, "verified": {"at": self.clock(), "files": _fingerprint(self.root / "entries" / key)}})
 
     def release(self, key: str, holder: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -276,6 +295,7 @@ class CacheStore:
             if not self.holders(key):
                 self._remove(key)
             raise
+        self._stamp_verified(key)
 
     # -- eviction --------------------------------------------------------------------------------------------
     def evict(self, needed: int = 0, keep: str | None = None) -> list[str]:
@@ -434,6 +454,16 @@ def _check_sizes(root: Path, wanted) -> None:
             raise IntegrityError(f"{e.path}: missing") from None
         if size != e.size:
             raise IntegrityError(f"{e.path}: {size} bytes, the manifest says {e.size}")
+
+
+def _fingerprint(tree: Path) -> str:
+    """What changes when any file of the tree is written, replaced, added or removed: each file's path,
+    inode, size, mtime and ctime (which no one but the kernel sets), hashed."""
+    h = hashlib.sha256()
+    for path in sorted(tree.rglob("*")):
+        st = path.lstat()
+        h.update(f"{path.relative_to(tree)}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:

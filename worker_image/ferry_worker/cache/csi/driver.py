@@ -97,8 +97,11 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             if self._record(request.volume_id).get("target") == str(target):
                 return  # published already: the kubelet retried a call whose answer it lost
             mounts.unmount(target)  # a mount with no record (an agent killed in between): start again
+        how = ""
         if mode == "serve":
-            source = self._entry_for(key, request.volume_id)
+            source, verified = self._entry_for(key, request.volume_id)
+            how = (" (every byte verified)" if verified else
+                   f" (verified within {self.store.reverify_after:.0f} s, its files unchanged since)")
         elif mode == "fill":
             source, mode = self._slot_for(key, request.volume_id, attrs.get("bytes", ""))
         else:
@@ -113,10 +116,10 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         except OSError:
             self._finish(request.volume_id, {**record, "mode": "serve" if mode == "serve" else "abandoned"})
             raise
-        log.info("%s %s for pod %s at %s", "serving (read-only)" if mode == "serve" else "fill slot of", key,
-                 _pod(request), target)
+        log.info("%s %s for pod %s at %s%s", "serving (read-only)" if mode == "serve" else "fill slot of", key,
+                 _pod(request), target, how)
 
-    def _entry_for(self, key: str, holder: str) -> Path:
+    def _entry_for(self, key: str, holder: str) -> tuple[Path, bool]:
         deadline = time.monotonic() + self.mount_wait
         while self.store.entry(key) is None:
             if time.monotonic() >= deadline:
