@@ -74,6 +74,33 @@ TEST_RELEASE = "ferry-tests"
 _policies: dict[str, str] = {}
 
 
+def token_dir(kube: Kube, account: str, namespace: str, tmp: Path, pod: dict | None) -> Path:
+    """A service account token directory as the kubelet projects one (token, namespace, ca.crt): the token
+    minted by the TokenRequest API bound to `pod` (whose node the API server writes into it), or bound to
+    nothing. Points the in-cluster config at this API server (KUBERNETES_SERVICE_HOST/PORT), as in a pod;
+    see in_cluster_env."""
+    argv = ["create", "token", account, "-n", namespace, "--duration=10m"]
+    if pod is not None:
+        argv += ["--bound-object-kind", "Pod", "--bound-object-name", pod["metadata"]["name"],
+                 "--bound-object-uid", pod["metadata"]["uid"]]
+    d = tmp / (pod["metadata"]["name"] if pod else f"{account}-unbound")
+    d.mkdir()
+    (d / "token").write_text(kube.kubectl(*argv).stdout.strip())
+    (d / "namespace").write_text(namespace)
+    (d / "ca.crt").write_text(kube.get_json("configmap", "kube-root-ca.crt", "-n", namespace)["data"]["ca.crt"])
+    return d
+
+
+def in_cluster_env(kube: Kube, monkeypatch) -> None:
+    """KUBERNETES_SERVICE_HOST/PORT of this API server, which the in-cluster config reads in a pod."""
+    import yaml
+
+    server = yaml.safe_load(kube.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    host, port = server.removeprefix("https://").rsplit(":", 1)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+
+
 def admission_policies(kube: Kube) -> str:
     """The chart's admission policies (release ferry-tests), applied once per
     test process: operators started by tests refuse to act without them."""

@@ -12,10 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 import localcluster
-from cluster_support import Kube, wait_for
+from cluster_support import Kube, in_cluster_env, token_dir, wait_for
 from ferry_worker.load.report import CONDITION, PodConditionReporter
 
 pytestmark = pytest.mark.cluster
@@ -50,26 +49,8 @@ def serving_pod(kube: Kube, namespace: str, name: str) -> dict:
                     f"pod {name} running on kwok")
 
 
-def token_dir(kube: Kube, namespace: str, tmp: Path, pod: dict | None) -> Path:
-    argv = ["create", "token", "serving", "-n", namespace, "--duration=10m"]
-    if pod is not None:
-        argv += ["--bound-object-kind", "Pod", "--bound-object-name", pod["metadata"]["name"],
-                 "--bound-object-uid", pod["metadata"]["uid"]]
-    d = tmp / (pod["metadata"]["name"] if pod else "unbound")
-    d.mkdir()
-    (d / "token").write_text(kube.kubectl(*argv).stdout.strip())
-    (d / "namespace").write_text(namespace)
-    ca = kube.get_json("configmap", "kube-root-ca.crt", "-n", namespace)["data"]["ca.crt"]
-    (d / "ca.crt").write_text(ca)
-    return d
-
-
 def reporter(kube: Kube, pod_name: str, tokens: Path, monkeypatch) -> PodConditionReporter:
-    # The in-cluster loader reads the API server address from the Service env, as in a pod.
-    server = yaml.safe_load(kube.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
-    host, port = server.removeprefix("https://").rsplit(":", 1)
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+    in_cluster_env(kube, monkeypatch)  # the in-cluster loader reads the API server address from the env, as in a pod
     return PodConditionReporter.connect(pod_name, tokens)
 
 
@@ -87,9 +68,14 @@ def test_a_pod_reports_on_itself_and_cannot_touch_another_pod(kube, namespace, r
                             "name": ROLE},
                 "subjects": [{"kind": "ServiceAccount", "name": "serving", "namespace": namespace}]})
     a, b = serving_pod(kube, namespace, "serving-a"), serving_pod(kube, namespace, "serving-b")
-    own = reporter(kube, "serving-a", token_dir(kube, namespace, tmp_path, a), monkeypatch)
+    own = reporter(kube, "serving-a", token_dir(kube, "serving", namespace, tmp_path, a), monkeypatch)
+    unbound = reporter(kube, "serving-a", token_dir(kube, "serving", namespace, tmp_path, None), monkeypatch)
 
-    # Its own condition: allowed (the policy binding may take a moment to be enforced, so retry on denial).
+    # The policy in force first (a new policy and binding take a moment): a token bound to no pod is refused
+    # (a harmless probe: Loading on its own pod). Then its own condition: allowed (the role binding, too,
+    # may take a moment, so retry on denial).
+    wait_for(lambda: "pod-bound service account token only" in _denial(lambda: unbound.report(False, "Loading", "")),
+             "the self-report policy enforced")
     wait_for(lambda: _ok(lambda: own.report(True, "Loaded", "verified (sha256): 3 files")), "the reporter allowed")
     assert gate(kube, namespace, "serving-a")["reason"] == "Loaded"
 
@@ -114,7 +100,6 @@ def test_a_pod_reports_on_itself_and_cannot_touch_another_pod(kube, namespace, r
     assert after["status"]["phase"] == "Running" and "ferry.dev/x" not in after["metadata"].get("finalizers", [])
 
     # A token of the same account not bound to a pod: denied, so a leaked long-lived token cannot report.
-    unbound = reporter(kube, "serving-a", token_dir(kube, namespace, tmp_path, None), monkeypatch)
     with pytest.raises(PermissionError, match="pod-bound service account token only"):
         unbound.report(False, "Loading", "")
 
@@ -145,6 +130,15 @@ def _ok(fn) -> bool:
         return True
     except PermissionError:
         return False
+
+
+def _denial(fn) -> str:
+    """The PermissionError's message, or "" when allowed."""
+    try:
+        fn()
+        return ""
+    except PermissionError as exc:
+        return str(exc)
 
 
 def _denied(fn) -> bool:
