@@ -399,6 +399,16 @@ def test_node_cache_agent_when_enabled(helm):
         f"request.userInfo.username == 'system:serviceaccount:ferry-system:{NODE_CACHE}'")
     (vapb,) = [b for b in by_kind(docs, "ValidatingAdmissionPolicyBinding") if b["metadata"]["name"] == NODE_CACHE]
     assert vapb["spec"] == {"policyName": NODE_CACHE, "validationActions": ["Deny"]}
+    # Fill slots for the operator's fill Jobs only: pods and Jobs, enforced, naming the operator's account.
+    (fill,) = [p for p in by_kind(docs, "ValidatingAdmissionPolicy") if p["metadata"]["name"] == f"{NODE_CACHE}-fill"]
+    assert fill["spec"]["failurePolicy"] == "Fail"
+    assert [(r["apiGroups"], r["resources"], r["operations"]) for r in fill["spec"]["matchConstraints"]["resourceRules"]] \
+        == [([""], ["pods"], ["CREATE"]), (["batch"], ["jobs"], ["CREATE", "UPDATE"])]
+    operator = next(v for v in fill["spec"]["variables"] if v["name"] == "operator")
+    assert operator["expression"] == "'system:serviceaccount:ferry-system:ferry-operator'"
+    (fill_binding,) = [b for b in by_kind(docs, "ValidatingAdmissionPolicyBinding")
+                       if b["metadata"]["name"] == f"{NODE_CACHE}-fill"]
+    assert fill_binding["spec"] == {"policyName": f"{NODE_CACHE}-fill", "validationActions": ["Deny"]}
 
     (ds,) = by_kind(docs, "DaemonSet")
     assert ds["metadata"]["name"] == NODE_CACHE and ds["metadata"]["namespace"] == "ferry-system"

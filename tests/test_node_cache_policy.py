@@ -1,4 +1,5 @@
-"""Least privilege of the node cache agent, on the real API server.
+"""Least privilege of the node cache agent, and of the node cache's fill
+slots, on the real API server.
 
 The chart's node-cache role lets the agent's ServiceAccount patch nodes (RBAC
 cannot say "only your own node"); its admission policy narrows that to: with
@@ -6,10 +7,13 @@ a token bound to a pod on that node, on that node only, labels under
 cache.ferry.dev/ only. Tokens are minted bound to a pod exactly as the
 kubelet mints the projected one (the TokenRequest API with a bound pod, whose
 node the API server writes into the token), and the agent's own labeller
-sends the patches.
+sends the patches. A fill slot (`mode: fill`) is for the operator's fill Jobs
+only: a tenant's pod or Job with one is refused, the operator's Job and the
+pod the Job controller makes of it are admitted.
 """
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -26,6 +30,7 @@ pytestmark = pytest.mark.cluster
 
 RELEASE = "policy-test"  # not the chart tests' "ferry"
 AGENT = f"{RELEASE}-ferry-node-cache"
+OPERATOR = f"system:serviceaccount:ferry-system:{RELEASE}-ferry-operator"
 NAMESPACE = "ferry-system"
 OWN, OTHER = localcluster.FAKE_NODES
 DIGEST = "sha256:" + "7" * 64
@@ -38,7 +43,8 @@ def agent_policy(kube: Kube):
                if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
                                 "ValidatingAdmissionPolicyBinding")]
     assert sorted(o["kind"] for o in objects) == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount",
-                                                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+                                                  *["ValidatingAdmissionPolicy"] * 2,
+                                                  *["ValidatingAdmissionPolicyBinding"] * 2]
     kube.kubectl("create", "namespace", NAMESPACE, check=False)
     for o in objects:
         kube.apply(o)
@@ -146,3 +152,49 @@ def _refused(call) -> bool:
         return False
     except ApiException as exc:
         return exc.status == 403
+
+
+def cache_pod_spec(mode: str) -> dict:
+    return {"nodeName": OWN, "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+            "volumes": [{"name": "slot", "csi": {"driver": "cache.ferry.dev", "volumeAttributes": {
+                "digest": DIGEST, "mode": mode, "bytes": "1000"}}}],
+            "containers": [{"name": "fill", "image": "ferry.local/ferry:dev",
+                            "volumeMounts": [{"name": "slot", "mountPath": "/slot"}]}]}
+
+
+def create_as(kube: Kube, user: str, obj: dict, dry_run: bool = True) -> str:
+    """"" when admitted, else the API server's refusal."""
+    argv = ["create", "-f", "-", "--as", user] + (["--dry-run=server"] if dry_run else [])
+    proc = kube.kubectl(*argv, input=json.dumps(obj), check=False)
+    return "" if proc.returncode == 0 else proc.stderr
+
+
+def test_only_the_operators_fill_jobs_get_a_fill_slot(kube, agent_policy, namespace):
+    # Both a tenant and the operator may create pods and Jobs here (RBAC): the policy is what tells them apart.
+    kube.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": "edit", "namespace": namespace},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+                "subjects": [{"kind": "User", "name": "dev-a", "apiGroup": "rbac.authorization.k8s.io"},
+                             {"kind": "ServiceAccount", "name": OPERATOR.rsplit(":", 1)[1],
+                              "namespace": "ferry-system"}]})
+    meta = {"name": "fill", "namespace": namespace}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": cache_pod_spec("fill")}
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+           "spec": {"backoffLimit": 0, "template": {"spec": cache_pod_spec("fill")}}}
+
+    # A tenant's pod with a fill slot: refused, in the policy's words (a new policy takes a moment).
+    refused = wait_for(lambda: "only the Ferry operator" in (r := create_as(kube, "dev-a", pod)) and r,
+                       "the fill policy enforced")
+    assert "dev-a is not the Job controller" in refused and "mode serve" in refused, refused
+    # Her Job with one: refused, naming the one account that may.
+    refused = create_as(kube, "dev-a", job)
+    assert f"dev-a is not {OPERATOR}" in refused, refused
+    # Her pod with the cache in serve mode (read-only, content addressed): admitted.
+    assert create_as(kube, "dev-a", {**pod, "spec": cache_pod_spec("serve")}) == ""
+
+    # The operator's Job: admitted, and so is the pod the Job controller makes of it.
+    assert create_as(kube, OPERATOR, job, dry_run=False) == ""
+    made = wait_for(lambda: kube.get_json("pods", "-n", namespace, "-l", "job-name=fill")["items"],
+                    "the Job controller's fill pod")
+    assert made[0]["metadata"]["ownerReferences"][0]["kind"] == "Job"
+    kube.kubectl("delete", "job", "fill", "-n", namespace, "--cascade=foreground", "--wait=false", check=False)
