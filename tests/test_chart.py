@@ -403,7 +403,7 @@ def test_node_cache_agent_when_enabled(helm):
     (fill,) = [p for p in by_kind(docs, "ValidatingAdmissionPolicy") if p["metadata"]["name"] == f"{NODE_CACHE}-fill"]
     assert fill["spec"]["failurePolicy"] == "Fail"
     assert [(r["apiGroups"], r["resources"], r["operations"]) for r in fill["spec"]["matchConstraints"]["resourceRules"]] \
-        == [([""], ["pods"], ["CREATE"]), (["batch"], ["jobs"], ["CREATE", "UPDATE"])]
+        == [([""], ["pods"], ["CREATE"]), (["batch"], ["jobs"], ["CREATE"])]
     operator = next(v for v in fill["spec"]["variables"] if v["name"] == "operator")
     assert operator["expression"] == "'system:serviceaccount:ferry-system:ferry-operator'"
     (fill_binding,) = [b for b in by_kind(docs, "ValidatingAdmissionPolicyBinding")

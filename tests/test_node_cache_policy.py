@@ -197,4 +197,7 @@ def test_only_the_operators_fill_jobs_get_a_fill_slot(kube, agent_policy, namesp
     made = wait_for(lambda: kube.get_json("pods", "-n", namespace, "-l", "job-name=fill")["items"],
                     "the Job controller's fill pod")
     assert made[0]["metadata"]["ownerReferences"][0]["kind"] == "Job"
-    kube.kubectl("delete", "job", "fill", "-n", namespace, "--cascade=foreground", "--wait=false", check=False)
+    # Updates go through (a label; the garbage collector removing its finalizer in a foreground delete).
+    kube.kubectl("label", "job", "fill", "-n", namespace, "--as", "dev-a", "team=a")
+    kube.kubectl("delete", "job", "fill", "-n", namespace, "--cascade=foreground", "--timeout=60s")
+    assert kube.kubectl("get", "job", "fill", "-n", namespace, check=False).returncode != 0

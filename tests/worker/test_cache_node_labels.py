@@ -34,7 +34,10 @@ class FakeNodes:
         changes = body["metadata"]["labels"]
         if dry_run:
             if self.deny_probe and any(not k.startswith(LABEL_PREFIX) for k in changes):
-                raise ApiException(status=403, reason="Forbidden")
+                error = ApiException(status=403, reason="Forbidden")
+                error.body = ('{"message": "nodes \\"n1\\" is forbidden: ValidatingAdmissionPolicy ... denied request: '
+                              'the node cache agent may change only labels under cache.ferry.dev/ on its node"}')
+                raise error
             return
         self.patches.append(changes)
         for k, v in changes.items():
@@ -88,13 +91,32 @@ def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
     assert labeler.sync() is None  # nothing left to change
 
 
-def test_without_the_policy_the_agent_labels_nothing(tmp_path, cache_artifacts, caplog):
+def test_without_the_policy_the_agent_labels_nothing_until_it_is_enforced(tmp_path, cache_artifacts, caplog):
     store = CacheStore(tmp_path / "cache", BIG)
     store.fill(cache_artifacts["a0"], manifest_digest(cache_artifacts["a0"]))
     nodes = FakeNodes({"kubernetes.io/hostname": "n1"}, deny_probe=False)
-    labeler = NodeLabeler(store, "n1", nodes, period=3600)
-    labeler.run(threading.Event())  # returns at once: fails closed
-    assert nodes.patches == [] and "labelling nothing" in caplog.text
+    labeler = NodeLabeler(store, "n1", nodes, period=0.05)
+    stop = threading.Event()
+    worker = threading.Thread(target=labeler.run, args=(stop,))
+    worker.start()
+    try:
+        _until(lambda: caplog.text.count("labelling nothing") >= 3)  # asked again and again, writing nothing
+        assert nodes.patches == []
+        nodes.deny_probe = True  # the policy in force (a new policy takes a moment): labelling starts
+        _until(lambda: label_for(manifest_digest(cache_artifacts["a0"])) in nodes.labels)
+    finally:
+        stop.set()
+        labeler.changed()
+        worker.join(5)
+
+
+def test_a_refusal_that_is_not_the_policys_is_not_taken_for_it(tmp_path):
+    class RbacRefuses(FakeNodes):
+        def patch_node(self, name, body, dry_run=None, field_manager=None):
+            raise ApiException(status=403, reason="Forbidden")  # the role binding not in force yet
+    labeler = NodeLabeler(CacheStore(tmp_path / "cache", BIG), "n1", RbacRefuses({}), period=3600)
+    with pytest.raises(ApiException):
+        labeler.policy_enforced()
 
 
 def _until(condition, timeout: float = 10.0) -> None:

@@ -164,7 +164,9 @@ def test_a_corrupt_entry_is_refused_removed_and_refilled(tmp_path, artifacts):
 
 def test_a_mount_verifies_every_byte_unless_recently_verified_and_unchanged(tmp_path, artifacts, monkeypatch):
     """Within reverify_after of the last verification (the fill's, or a mount's) with the files unchanged, a
-    mount reads nothing; a write to a file (its ctime) or the window passing brings the full check back."""
+    mount reads nothing. A change to a file, the window passing, or a file changed too recently for its
+    times to show the next change (SETTLE_NS) brings the full check back."""
+    import time
     import ferry_worker.cache.store as store_module
 
     reads = []
@@ -177,20 +179,28 @@ def test_a_mount_verifies_every_byte_unless_recently_verified_and_unchanged(tmp_
     store.fill(source, digest(source))  # verified on its way in
     reads.clear()
     assert store.mount_entry(key, "pod-a") == (store.entry(key), False) and reads == []
-    clock[0] += 601
-    assert store.mount_entry(key, "pod-b") == (store.entry(key), True) and reads == [1]  # the window passed
-    clock[0] += 300
-    assert store.mount_entry(key, "pod-c")[1] is False  # within the window of pod-b's verification
 
-    # A byte flipped by a write: the files changed since, so the next mount verifies and refuses.
     victim = store.entry(key) / "model-rank-1-part-0.safetensors"
-    victim.chmod(0o644)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    victim.chmod(0o644)  # a change: the next mount verifies
+    with open(victim, "r+b") as writer:  # opened now, written later: the write alone must show
+        assert store.mount_entry(key, "pod-b")[1] is True and len(reads) == 1
+        # Changed less than SETTLE_NS ago: verified, but not trusted to stay unchanged unseen.
+        assert store.mount_entry(key, "pod-c")[1] is True and len(reads) == 2
+        time.sleep(store_module.SETTLE_NS / 1e9 + 0.1)
+        assert store.mount_entry(key, "pod-d")[1] is True and len(reads) == 3
+        assert store.mount_entry(key, "pod-e")[1] is False and len(reads) == 3
+        clock[0] += 601
+        assert store.mount_entry(key, "pod-f")[1] is True and len(reads) == 4  # the window passed
+        assert store.mount_entry(key, "pod-g")[1] is False
+
+        # A byte flipped by a write (nothing else): the next mount verifies and refuses.
+        writer.seek(victim.stat().st_size // 2)
+        byte = writer.read(1)
+        writer.seek(-1, os.SEEK_CUR)
+        writer.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(IntegrityError, match="model-rank-1-part-0.safetensors"):
-        store.mount_entry(key, "pod-d")
-    assert "pod-d" not in store.holders(key)
+        store.mount_entry(key, "pod-h")
+    assert "pod-h" not in store.holders(key)
 
     # reverify_after 0: every mount verifies.
     store2 = CacheStore(tmp_path / "cache2", BIG)

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 LABEL_PREFIX = "cache.ferry.dev/"
 LABEL_SALT = b"cache.ferry.dev node label of "  # the operator's serving.cache_label hashes the same
 PROBE_LABEL = "ferry.dev/node-cache-policy-probe"  # outside the prefix: the policy must refuse it
+POLICY_WORDS = "may change only labels under cache.ferry.dev/"  # the chart's policy's message (node-cache.yaml)
 FIELD_MANAGER = "ferry-node-cache"
 
 
@@ -60,19 +61,20 @@ class NodeLabeler:
 
     def policy_enforced(self) -> bool:
         """Whether the admission policy refuses this agent a label outside cache.ferry.dev/ on its own
-        node (a dry run: nothing is written either way)."""
+        node (a dry run: nothing is written either way). A refusal in other words (RBAC not in force yet)
+        is an error: asked again later."""
         from kubernetes.client.exceptions import ApiException
 
         try:
             self._api.patch_node(self.node_name, {"metadata": {"labels": {PROBE_LABEL: "x"}}}, dry_run="All",
                                  field_manager=FIELD_MANAGER)
         except ApiException as exc:
-            if exc.status == 403:
+            if exc.status == 403 and POLICY_WORDS in str(exc.body):
                 return True
             raise
         log.error("the admission policy that confines this agent to its own node's %s labels is not enforced "
-                  "(a dry-run patch of %s was allowed): labelling nothing; install the chart's node-cache "
-                  "policy and restart the agent", LABEL_PREFIX, PROBE_LABEL)
+                  "(a dry-run patch of %s was allowed): labelling nothing until it is (install the chart's "
+                  "node-cache policy)", LABEL_PREFIX, PROBE_LABEL)
         return False
 
     def sync(self) -> dict[str, Any] | None:
@@ -86,17 +88,17 @@ class NodeLabeler:
         return patch
 
     def run(self, stop: threading.Event) -> None:
-        """Once the policy is known to be enforced: sync at start, after each change, and every `period`
-        seconds, until `stop`. A policy found missing stops the labelling for good (fails closed)."""
+        """Once the policy is seen enforced (asked every `period` until it is: a new policy takes a moment,
+        and until then nothing is labelled, failing closed): sync at start, after each change, and every
+        `period` seconds, until `stop`."""
         while not stop.is_set():
             try:
-                if not self.policy_enforced():
-                    return
-                break
-            except Exception as exc:  # the API server away: asked again next period
+                if self.policy_enforced():
+                    break
+            except Exception as exc:  # the API server away, the role not in force yet
                 log.warning("could not check the node-cache admission policy (%s); retrying in %.0f s",
                             exc, self.period)
-                stop.wait(self.period)
+            stop.wait(self.period)
         self._dirty.set()
         while not stop.is_set():
             self._dirty.wait(self.period)

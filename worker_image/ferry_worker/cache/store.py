@@ -50,6 +50,7 @@ from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file, fsy
 OnBytes = Callable[[int], None]
 log = logging.getLogger(__name__)
 PENDING_MANIFEST = ".ferry-manifest.pending.json"  # a fill's manifest until every file is in
+SETTLE_NS = 2_000_000_000  # file times are as coarse as a clock tick (or a second): see CacheStore.check
 
 
 class CacheError(Exception):
@@ -208,7 +209,7 @@ class CacheStore:
         os.rename(staging, final)
         fsync_dir(final.parent)
         (self.root / "slots" / key).unlink(missing_ok=True)
-        self._stamp_verified(key)  # every byte was verified on its way in
+        self._stamp_verified(key, _fingerprint(final)[0], self.clock())  # every byte verified on its way in
         self.on_change()
         return final
 
@@ -252,13 +253,15 @@ class CacheStore:
     def _recently_verified(self, key: str) -> bool:
         verified = self._meta(key).get("verified") or {}
         return (self.reverify_after > 0 and verified.get("at", float("-inf")) >= self.clock() - self.reverify_after
-                and verified.get("files") == _fingerprint(self.root / "entries" / key))
+                and verified.get("files") == _fingerprint(self.root / "entries" / key)[0])
 
-    def _stamp_verified(self, key: str) -> None:
+    def _stamp_verified(self, key: str, files: str | None, at: float) -> None:
+        """Record that the entry, as `files` fingerprinted it, was verified at `at` (None: forget any stamp)."""
         meta = self._meta(key)
         if meta:
+            meta.pop("verified", None)
             _write_json(self.root / "meta" / f"{key}.json",
-                        {**meta, "verified": {"at": self.clock(), "files": _fingerprint(self.root / "entries" / key)}})
+                        {**meta, **({"verified": {"at": at, "files": files}} if files is not None else {})})
 
     def release(self, key: str, holder: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -287,6 +290,11 @@ class CacheStore:
             raise CacheError(f"no complete cache entry {key}")
         manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())
         ranks = _ranks_of(key)
+        # Fingerprinted before the read: a write while it reads changes what the next mount compares. A file
+        # changed within SETTLE_NS of this may change again within the same timestamp tick unseen, so such
+        # an entry is verified but not stamped (git's "racily clean" index entries, the same rule).
+        started, (files, newest_change) = self.clock(), _fingerprint(path)
+        settled = time.time_ns() - newest_change >= SETTLE_NS
         try:
             wanted = select(manifest, ranks).entries
             _check_sizes(path, wanted)
@@ -295,7 +303,7 @@ class CacheStore:
             if not self.holders(key):
                 self._remove(key)
             raise
-        self._stamp_verified(key)
+        self._stamp_verified(key, files if settled else None, started)
 
     # -- eviction --------------------------------------------------------------------------------------------
     def evict(self, needed: int = 0, keep: str | None = None) -> list[str]:
@@ -456,14 +464,15 @@ def _check_sizes(root: Path, wanted) -> None:
             raise IntegrityError(f"{e.path}: {size} bytes, the manifest says {e.size}")
 
 
-def _fingerprint(tree: Path) -> str:
-    """What changes when any file of the tree is written, replaced, added or removed: each file's path,
-    inode, size, mtime and ctime (which no one but the kernel sets), hashed."""
-    h = hashlib.sha256()
+def _fingerprint(tree: Path) -> tuple[str, int]:
+    """(what changes when any file of the tree is written, replaced, added or removed: each file's path,
+    inode, size, mtime and ctime, which no one but the kernel sets, hashed; the newest of those times, ns)."""
+    h, newest = hashlib.sha256(), 0
     for path in sorted(tree.rglob("*")):
         st = path.lstat()
+        newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
         h.update(f"{path.relative_to(tree)}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
-    return h.hexdigest()
+    return h.hexdigest(), newest
 
 
 def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:
