@@ -249,54 +249,69 @@ def test_an_agent_killed_while_a_fill_pod_holds_its_slot_adopts_the_fill(node, c
     clear_cache()
     barrier = unique("go")
     filler = fill_pod(node, chart_operator["image"], unique("fill"), a, [0], barrier=barrier)
-    wait_for(lambda: f"fill slot of {key} for pod {NAMESPACE}/{filler}" in agent_log(node, namespace),
-             "the fill pod's slot mounted", timeout=120)
-    before = agent_pod(node, namespace)
-    restarts = before["status"]["containerStatuses"][0]["restartCount"]
-    (pid,) = [p for p in localnode.pids_mentioning("--node-name") if " cache " in f" {localnode._cmdline(p)} "
-              and " agent " in f" {localnode._cmdline(p)} "]
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the agent to die")
-    # The kill landed while the slot was held: the pod is still at its barrier, nothing is published.
-    assert phase(node, NAMESPACE, filler) == "Running" and not published(key)
-    (claim_dir(node, a.claim) / barrier).touch()
-    wait_phase(node, NAMESPACE, filler, "Succeeded")
-    wait_for(lambda: agent_pod(node, namespace)["status"]["containerStatuses"][0]["restartCount"] > restarts,
-             "the DaemonSet to restart the agent", timeout=120)
-    wait_for(lambda: published(key), "the restarted agent to adopt the fill", timeout=120)
-    pod = serve_pod(node, unique("serve"), a, [0])
-    wait_phase(node, RESTRICTED_NS, pod, "Running", timeout=180)
-    assert f"published {key} from the fill of pod {NAMESPACE}/{filler}" in agent_log(node, namespace)
-    delete_pods(node, RESTRICTED_NS, pod)
-    (claim_dir(node, a.claim) / barrier).unlink()
+    try:
+        # The barrier holds: the slot is mounted and the pod's container runs, waiting for the barrier file
+        # (the mount's log line alone comes before the container starts).
+        wait_for(lambda: f"fill slot of {key} for pod {NAMESPACE}/{filler}" in agent_log(node, namespace),
+                 "the fill pod's slot mounted", timeout=120)
+        wait_phase(node, NAMESPACE, filler, "Running")
+        wait_for(lambda: "waiting" in node.kubectl("logs", filler, "-n", NAMESPACE, check=False).stdout,
+                 "the fill pod at its barrier")
+        before = agent_pod(node, namespace)
+        restarts = before["status"]["containerStatuses"][0]["restartCount"]
+        (pid,) = [p for p in localnode.pids_mentioning("--node-name") if " cache " in f" {localnode._cmdline(p)} "
+                  and " agent " in f" {localnode._cmdline(p)} "]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the agent to die")
+        # The kill landed while the slot was held: the pod is still at its barrier, nothing is published.
+        assert phase(node, NAMESPACE, filler) == "Running" and not published(key)
+        (claim_dir(node, a.claim) / barrier).touch()
+        wait_phase(node, NAMESPACE, filler, "Succeeded")
+        wait_for(lambda: agent_pod(node, namespace)["status"]["containerStatuses"][0]["restartCount"] > restarts,
+                 "the DaemonSet to restart the agent", timeout=120)
+        wait_for(lambda: published(key), "the restarted agent to adopt the fill", timeout=120)
+        pod = serve_pod(node, unique("serve"), a, [0])
+        wait_phase(node, RESTRICTED_NS, pod, "Running", timeout=180)
+        assert f"published {key} from the fill of pod {NAMESPACE}/{filler}" in agent_log(node, namespace)
+        delete_pods(node, RESTRICTED_NS, pod)
+    finally:  # a fill pod left at its barrier would hold its slot (and its room) through the next tests
+        delete_pods(node, NAMESPACE, filler)
+        (claim_dir(node, a.claim) / barrier).unlink(missing_ok=True)
 
 
 def test_eviction_is_lru_spares_mounted_entries_and_refuses_what_cannot_fit(node, chart_operator, artifacts):
     a, b = artifacts["a"], artifacts["b"]
     image, namespace = chart_operator["image"], chart_operator["namespace"]
     clear_cache()
-    for ranks in ([0], [1]):  # a.r0 then a.r1: two entries, under the high mark
-        wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), a, ranks), "Succeeded")
-        wait_for(lambda: published(a.key(ranks)), "the entry published")
-    holder = serve_pod(node, unique("serve"), a, [0])  # a.r0 mounted: now the most recently used, and held
-    wait_phase(node, RESTRICTED_NS, holder, "Running")
-    # b.r0 does not fit beside both: the least recently used unmounted entry (a.r1) goes, a.r0 stays.
-    wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), b, [0]), "Succeeded")
-    wait_for(lambda: published(b.key([0])), "the third entry published")
-    assert published(a.key([0])) and not published(a.key([1]))
-    assert f"evicted {a.key([1])}" in agent_log(node, namespace)
-    # With both remaining entries mounted, nothing can go: the fill pod's mount is refused with the reason.
-    second = serve_pod(node, unique("serve"), b, [0])
-    wait_phase(node, RESTRICTED_NS, second, "Running")
-    blocked = fill_pod(node, image, unique("fill"), a, [1])
-    messages = wait_for(lambda: mount_failures(node, NAMESPACE, blocked), "the blocked fill's FailedMount")
-    assert "ResourceExhausted" in messages[0] and "high watermark" in messages[0], messages
-    assert phase(node, NAMESPACE, blocked) == "Pending" and published(a.key([0])) and published(b.key([0]))
-    pressure = node.kubectl("get", "node", localnode.NODE_NAME, "-o",
-                            'jsonpath={.status.conditions[?(@.type=="DiskPressure")].status}').stdout
-    assert pressure == "False"
-    delete_pods(node, NAMESPACE, blocked)
-    delete_pods(node, RESTRICTED_NS, holder, second)
+    # Its serving pods and the blocked fill go however the test ends: no mount or slot outlives it.
+    made: list[tuple[str, str]] = []
+    try:
+        for ranks in ([0], [1]):  # a.r0 then a.r1: two entries, under the high mark
+            wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), a, ranks), "Succeeded")
+            wait_for(lambda: published(a.key(ranks)), "the entry published")
+        holder = serve_pod(node, unique("serve"), a, [0])  # a.r0 mounted: now the most recently used, and held
+        made.append((RESTRICTED_NS, holder))
+        wait_phase(node, RESTRICTED_NS, holder, "Running")
+        # b.r0 does not fit beside both: the least recently used unmounted entry (a.r1) goes, a.r0 stays.
+        wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), b, [0]), "Succeeded")
+        wait_for(lambda: published(b.key([0])), "the third entry published")
+        assert published(a.key([0])) and not published(a.key([1]))
+        assert f"evicted {a.key([1])}" in agent_log(node, namespace)
+        # With both remaining entries mounted, nothing can go: the fill pod's mount is refused with the reason.
+        second = serve_pod(node, unique("serve"), b, [0])
+        made.append((RESTRICTED_NS, second))
+        wait_phase(node, RESTRICTED_NS, second, "Running")
+        blocked = fill_pod(node, image, unique("fill"), a, [1])
+        made.append((NAMESPACE, blocked))
+        messages = wait_for(lambda: mount_failures(node, NAMESPACE, blocked), "the blocked fill's FailedMount")
+        assert "ResourceExhausted" in messages[0] and "high watermark" in messages[0], messages
+        assert phase(node, NAMESPACE, blocked) == "Pending" and published(a.key([0])) and published(b.key([0]))
+        pressure = node.kubectl("get", "node", localnode.NODE_NAME, "-o",
+                                'jsonpath={.status.conditions[?(@.type=="DiskPressure")].status}').stdout
+        assert pressure == "False"
+    finally:
+        for ns, name in made:
+            delete_pods(node, ns, name)
 
 
 def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_prewarmed(node, chart_operator,
