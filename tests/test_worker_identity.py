@@ -15,10 +15,10 @@ from datetime import datetime, timezone
 import pytest
 
 import localcluster
-from cluster_support import TEST_RELEASE, Kube, admission_policies, wait_for
+from cluster_support import TEST_RELEASE, Kube, admission_policies, token_dir, wait_for
 from ferry_worker.progress import Snapshot
 from ferry_worker.progress_report import CONDITION, PodProgress
-from test_weights_reporter_policy import _ok, reporter, serving_pod, token_dir
+from test_weights_reporter_policy import _ok, reporter, serving_pod
 
 pytestmark = pytest.mark.cluster
 
@@ -55,7 +55,7 @@ def test_a_worker_reports_progress_on_its_own_pod_and_cannot_touch_any_modelweig
     namespace = worker
     # Pods on kwok: the pod objects are what matter here.
     a, _ = serving_pod(crd, namespace, "fetch-a"), serving_pod(crd, namespace, "fetch-b")
-    tokens = token_dir(crd, namespace, tmp_path, a)
+    tokens = token_dir(crd, "serving", namespace, tmp_path, a)
     api = reporter(crd, "fetch-a", tokens, monkeypatch)._api  # the in-cluster client, as in the pod
     own = PodProgress("fetch-a", namespace, api)
 
