@@ -90,18 +90,19 @@ def main() -> int:
                 times[name].append(timed(fn))
                 print(f"run {run + 1} {name}: {times[name][-1]:.2f} s")
             for leftover in ("copy", "cache-a", "cache-b"):
-                _remove(work / leftover)
+                remove_tree(work / leftover)
         base = statistics.median(times["cp -r + sync"])
         print(f"\n| path | median s | GB/s | (cp + sync) / path |\n|---|---:|---:|---:|")
         for name, values in times.items():
             median = statistics.median(values)
             print(f"| {name} | {median:.2f} | {nbytes / 1e9 / median:.2f} | {base / median:.2f} |")
     finally:
-        _remove(work)
+        remove_tree(work)
     return 0
 
 
-def _remove(path: Path) -> None:
+def remove_tree(path: Path) -> None:
+    """Remove a tree the cache made read-only."""
     if path.exists():
         subprocess.run(["chmod", "-R", "u+w", str(path)], check=False)
         shutil.rmtree(path, ignore_errors=True)

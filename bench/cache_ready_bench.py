@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO / "e2e"))
 sys.path.insert(0, str(REPO / "bench"))
 import localcluster  # noqa: E402
 import localnode  # noqa: E402
+from cache_bench import remove_tree  # noqa: E402
 from cache_state import drop_page_cache  # noqa: E402
 from shard_bench import write_checkpoint  # noqa: E402
 
@@ -94,7 +95,7 @@ def main() -> int:
                         "uninstall", RELEASE, "-n", SYSTEM, "--wait"], capture_output=True)
         kube.run("delete", "namespace", SYSTEM, "--wait=true", "--timeout=180s", check=False)
         shutil.rmtree(work, ignore_errors=True)
-        _remove_tree(cache_root)
+        remove_tree(cache_root)
     return 0
 
 
@@ -224,12 +225,6 @@ def _until(condition, what: str, timeout: float = 900, interval: float = 1.0):
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out waiting for {what}")
-
-
-def _remove_tree(path: Path) -> None:
-    if path.exists():
-        subprocess.run(["chmod", "-R", "u+w", str(path)], check=False)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":

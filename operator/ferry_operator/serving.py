@@ -190,6 +190,7 @@ def node_cache_volume(digest: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 CACHE_LABEL_PREFIX = "cache.ferry.dev/"  # the node agent's labels (ferry_worker/cache/node_labels.py)
+CACHE_LABEL_SALT = b"cache.ferry.dev node label of "  # the agent's LABEL_SALT (a test keeps them equal)
 # Of 1-100, against the user's own preferred terms (a term of 100 outweighs it); the scheduler still puts
 # fit (GPUs, memory) first: a preference only orders the nodes a pod fits on.
 CACHE_AFFINITY_WEIGHT = 50
@@ -198,8 +199,8 @@ CACHE_AFFINITY_WEIGHT = 50
 def cache_label(digest: str) -> str:
     """The label the node agent puts on a node that holds the artifact's entry: a hash of the digest (node
     labels are readable cluster-wide; the digest is what a cache volume names), 63 hex digits."""
-    return CACHE_LABEL_PREFIX + hashlib.sha256(b"cache.ferry.dev node label of "
-                                               + digest.removeprefix("sha256:").encode()).hexdigest()[:63]
+    salted = CACHE_LABEL_SALT + digest.removeprefix("sha256:").encode()
+    return CACHE_LABEL_PREFIX + hashlib.sha256(salted).hexdigest()[:63]
 
 
 def preferred_nodes(current: list[dict[str, Any]], digest: str | None) -> list[dict[str, Any]]:

@@ -9,8 +9,8 @@ may touch nothing else. Its ServiceAccount may patch nodes (RBAC cannot say
 "only your own node"), and the chart's admission policy narrows that to: with
 a token bound to a pod on that node, on that node only, only labels under
 cache.ferry.dev/ (charts/ferry/templates/node-cache.yaml). The agent checks
-the policy is enforced before its first write (a dry run that must be
-denied) and labels nothing if it is not: it fails closed.
+the policy is enforced before its first write (a dry run the policy must
+refuse in its own words) and labels nothing until it is: it fails closed.
 """
 from __future__ import annotations
 

@@ -258,10 +258,13 @@ class CacheStore:
     def _stamp_verified(self, key: str, files: str | None, at: float) -> None:
         """Record that the entry, as `files` fingerprinted it, was verified at `at` (None: forget any stamp)."""
         meta = self._meta(key)
-        if meta:
+        if not meta:
+            return
+        if files is None:
             meta.pop("verified", None)
-            _write_json(self.root / "meta" / f"{key}.json",
-                        {**meta, **({"verified": {"at": at, "files": files}} if files is not None else {})})
+        else:
+            meta["verified"] = {"at": at, "files": files}
+        _write_json(self.root / "meta" / f"{key}.json", meta)
 
     def release(self, key: str, holder: str) -> None:
         with contextlib.suppress(FileNotFoundError):
