@@ -95,6 +95,7 @@ OPERATOR_CLUSTER_READS = {
     *(("apiextensions.k8s.io", "customresourcedefinitions", v, "*") for v in READS),
     ("storage.k8s.io", "storageclasses", "get", "*"),
     ("", "nodes", "list", "*"),
+    ("", "nodes", "watch", "*"),
     *(("admissionregistration.k8s.io", r, v, "*")
       for r in ("validatingadmissionpolicies", "validatingadmissionpolicybindings") for v in READS),
 }
@@ -227,8 +228,9 @@ RBAC_MATRIX = [
     # Why a claim stays Pending: its StorageClass, by name; never the cluster's events.
     (OPERATOR, "get", "storageclasses.storage.k8s.io", None, True),
     (OPERATOR, "list", "storageclasses.storage.k8s.io", None, False),
-    # Which nodes a node cache prewarm selects: names by label, never a node's own writes.
+    # Which nodes a node cache prewarm selects, and which hold an artifact: never a node's own writes.
     (OPERATOR, "list", "nodes", None, True),
+    (OPERATOR, "watch", "nodes", None, True),
     (OPERATOR, "patch", "nodes", None, False),
     (OPERATOR, "list", "events", "ml", False),
     (OPERATOR, "list", "pods", "ml", True),
@@ -426,7 +428,8 @@ def test_node_cache_agent_when_enabled(helm):
     assert c["securityContext"]["privileged"] is True
     assert c["command"] == ["ferry", "cache", "--root", "/var/lib/ferry/cache", "--high", "90%", "--low", "80%",
                             "--eviction-hard", "10%", "agent", "--kubelet-dir", "/var/lib/kubelet",
-                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30", "--reverify-after", "3600"]
+                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30", "--reverify-after", "3600",
+                            "--scrub-every", "86400"]
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -443,7 +446,7 @@ def test_node_cache_agent_when_enabled(helm):
 def test_node_cache_values_reach_the_agent(helm, tmp_path):
     docs = render(helm, "nodeCache.enabled=true", "nodeCache.high=3500000", "nodeCache.low=500Gi",
                   "nodeCache.kubeletEvictionHard=1Gi", "nodeCache.mountWaitSeconds=5", "nodeCache.reverifyAfterSeconds=0",
-                  "nodeCache.kubeletDir=/data/kubelet", "nodeCache.hostPath=/mnt/nvme/ferry",
+                  "nodeCache.scrubIntervalSeconds=0", "nodeCache.kubeletDir=/data/kubelet", "nodeCache.hostPath=/mnt/nvme/ferry",
                   "nodeCache.nodeSelector.pool=gpu")
     (ds,) = by_kind(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
@@ -453,6 +456,7 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     assert flags == {"--root": "/var/lib/ferry/cache", "--high": "3500000", "--low": "500Gi", "--eviction-hard": "1Gi"}
     assert args[args.index("--mount-wait") + 1] == "5"
     assert args[args.index("--reverify-after") + 1] == "0"
+    assert args[args.index("--scrub-every") + 1] == "0"
     assert args[args.index("--kubelet-dir") + 1] == "/data/kubelet"
     (kubelet,) = [m for m in c["volumeMounts"] if m.get("mountPropagation") == "Bidirectional"]
     assert kubelet["mountPath"] == "/data/kubelet"

@@ -18,7 +18,7 @@ from ferry_operator.executors.cache_fill import fill_facts, fill_job_manifest
 from ferry_operator.executors.jobs import WorkerSettings
 from ferry_operator.node_cache import FillFacts, FillNode, RemoveFill
 from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
-from ferry_operator.serving import DeploymentFacts, cache_label
+from ferry_operator.serving import CACHE_AGENT_LABEL, DeploymentFacts, cache_evicted_label, cache_label
 from ferry_operator.serving_loader import LoaderSettings
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import PodFacts
@@ -49,9 +49,10 @@ def deployment(**kw) -> DeploymentFacts:
     return replace(base, **kw)
 
 
-def observed(m, dep: DeploymentFacts, pods=(), fills=(), prewarm=()) -> Observed:
+def observed(m, dep: DeploymentFacts, pods=(), fills=(), prewarm=(), nodes=None) -> Observed:
     return Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=FACTS,
-                    deployments={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm))
+                    deployments={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm),
+                    cache_nodes=nodes or {})
 
 
 def waiting_pod(node: str, created: datetime | None = None, digest: str = DIGEST) -> PodFacts:
@@ -179,6 +180,51 @@ def test_an_entry_gone_from_a_warm_node_is_filled_again():
     assert kinds(plan(m, observed(m, wired(m), pods=[gone], fills=[fresh]), loader=LOADER), FillNode) == []
 
 
+def test_nodes_whose_agent_labels_them_are_counted_by_their_labels_and_others_by_their_fills():
+    m = cached()
+    holds = {CACHE_AGENT_LABEL: "true", cache_label(DIGEST): "true"}
+    nodes = {"gpu-a": holds, "gpu-b": {CACHE_AGENT_LABEL: "true"}, "gpu-c": holds}
+    # gpu-a: labelled and filled. gpu-b: filled, but its agent's labels say the entry is gone (evicted since,
+    # with no pod left there to wait for it). gpu-c: labelled, never filled by this object (another
+    # ModelWeights of the same artifact did). gpu-d: its agent does not label (its policy not enforced):
+    # the fill round says.
+    fills = [warm("gpu-a"), warm("gpu-b"), warm("gpu-d")]
+    p = plan(m, observed(m, wired(m), fills=fills, nodes=nodes), loader=LOADER)
+    assert p.status.cache.nodes == ["gpu-a", "gpu-c", "gpu-d"] and p.status.cache.summary == "3"
+    assert kinds(p, FillNode) == []
+
+
+def test_a_node_that_lets_the_artifact_go_is_an_eviction_with_its_reason_and_an_event():
+    from ferry_operator.events import transitions
+
+    m = cached()
+    holds = {CACHE_AGENT_LABEL: "true", cache_label(DIGEST): "true"}
+    before = plan(m, observed(m, wired(m), nodes={"gpu-a": holds, "gpu-b": holds, "gpu-c": holds}),
+                  loader=LOADER).status
+    assert before.cache.nodes == ["gpu-a", "gpu-b", "gpu-c"] and before.cache.evictions == []
+    m = m.model_copy(update={"status": before})
+    gone = {"gpu-a": {CACHE_AGENT_LABEL: "true", cache_evicted_label(DIGEST): "lru.1796198400"},
+            "gpu-b": {CACHE_AGENT_LABEL: "true", cache_evicted_label(DIGEST): "corrupt.1796198460"},
+            "gpu-c": holds}
+    after = plan(m, observed(m, wired(m), nodes=gone), loader=LOADER).status
+    assert after.cache.nodes == ["gpu-c"]
+    assert [(e.node, e.reason, e.at.isoformat()) for e in after.cache.evictions] == [
+        ("gpu-a", "lru", "2026-12-02T08:00:00+00:00"), ("gpu-b", "corrupt", "2026-12-02T08:01:00+00:00")]
+    events = [(e.type, e.reason, e.message) for e in transitions(before, after, []) if e.reason == "NodeCacheEvicted"]
+    assert [e[:2] for e in events] == [("Normal", "NodeCacheEvicted"), ("Warning", "NodeCacheEvicted")]
+    assert "on gpu-a no longer holds the artifact: evicted as least recently used" in events[0][2]
+    assert "gpu-b" in events[1][2] and "removed as corrupt" in events[1][2] and "1 nodes still hold it" in events[1][2]
+    # Said once: the next reconcile keeps the record and posts nothing.
+    m = m.model_copy(update={"status": after})
+    again = plan(m, observed(m, wired(m), nodes=gone), loader=LOADER).status
+    assert again.cache.evictions == after.cache.evictions
+    assert [e for e in transitions(after, again, []) if e.reason == "NodeCacheEvicted"] == []
+    # A node whose agent remembers no reason, and a node that went away entirely (not an eviction).
+    m = m.model_copy(update={"status": before})
+    p = plan(m, observed(m, wired(m), nodes={"gpu-a": {CACHE_AGENT_LABEL: "true"}, "gpu-c": holds}), loader=LOADER)
+    assert [(e.node, e.reason) for e in p.status.cache.evictions] == [("gpu-a", "unknown")]
+
+
 def test_a_failed_fill_is_reported_with_its_reason_and_retried():
     m = cached()
     failed = FillFacts("gpu-a", DIGEST, "Failed", finished_at=datetime.now(timezone.utc),
@@ -293,5 +339,6 @@ def test_status_cache_is_written_and_cleared_by_the_status_patch():
 
     cache = NodeCacheStatus(digest=DIGEST, warm_nodes=1, nodes=["gpu-a"], summary="1")
     patch = _status_patch({}, ModelWeightsStatus(cache=cache))
-    assert patch["cache"] == {"digest": DIGEST, "warmNodes": 1, "fillingNodes": 0, "nodes": ["gpu-a"], "summary": "1"}
+    assert patch["cache"] == {"digest": DIGEST, "warmNodes": 1, "fillingNodes": 0, "nodes": ["gpu-a"], "summary": "1",
+                              "evictions": []}
     assert _status_patch({"cache": patch["cache"]}, ModelWeightsStatus())["cache"] is None

@@ -82,3 +82,23 @@ def test_an_unregistered_object_is_forgotten() -> None:
         assert w.inputs_changed(("ml", "a"), (1, None, None))
 
     asyncio.run(scenario())
+
+
+def test_a_node_cache_label_wakes_only_the_objects_that_count_it() -> None:
+    async def scenario() -> None:
+        w = Wakeups()
+        a, b = w.register(("ml", "a")), w.register(("ml", "b"))
+        w.reads_labels(("ml", "a"), frozenset({"cache.ferry.dev/aaa", "cache.ferry.dev/evicted.aaa"}))
+        w.reads_labels(("ml", "b"), frozenset({"cache.ferry.dev/bbb"}))
+        w.wake_label_readers({"cache.ferry.dev/evicted.aaa", "cache.ferry.dev/ccc"})
+        assert a.is_set() and not b.is_set()
+        # A new artifact: its old label no longer wakes it; unregistered, nothing does.
+        a.clear()
+        w.reads_labels(("ml", "a"), frozenset({"cache.ferry.dev/ddd"}))
+        w.wake_label_readers({"cache.ferry.dev/aaa"})
+        assert not a.is_set()
+        w.unregister(("ml", "b"), b)
+        w.wake_label_readers({"cache.ferry.dev/bbb"})
+        assert not b.is_set() and w._label_readers == {"cache.ferry.dev/ddd": {("ml", "a")}}
+
+    asyncio.run(scenario())

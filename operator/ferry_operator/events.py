@@ -47,6 +47,30 @@ def _serving_pod_waits(before: ModelWeightsStatus | None, after: ModelWeightsSta
     return Event(WARNING, new.reason, new.message)
 
 
+EVICTION_WORDS = {
+    "lru": (NORMAL, "evicted as least recently used, to make room for another fill"),
+    "corrupt": (WARNING, "removed as corrupt: a mount found a file that does not match the manifest (the next "
+                         "pod there fills it again)"),
+    "removed": (NORMAL, "removed by an admin (ferry cache evict)"),
+    "unknown": (NORMAL, "gone, for no reason its node agent still remembers (removed by hand, or the agent's "
+                        "record of it expired)"),
+}
+
+
+def _cache_evictions(before: ModelWeightsStatus | None, after: ModelWeightsStatus) -> list[Event]:
+    """An Event for each node the artifact left since the last reconcile (status.cache.evictions)."""
+    if after.cache is None:
+        return []
+    seen = before.cache.evictions if before and before.cache and before.cache.digest == after.cache.digest else []
+    out = []
+    for e in after.cache.evictions:
+        if e not in seen:
+            kind, words = EVICTION_WORDS.get(e.reason, EVICTION_WORDS["unknown"])
+            out.append(Event(kind, "NodeCacheEvicted", f"the node cache on {e.node} no longer holds the artifact: "
+                                                       f"{words}; {after.cache.warm_nodes} nodes still hold it"))
+    return out
+
+
 def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
                 actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]) -> list[Event]:
     events = []
@@ -69,6 +93,7 @@ def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
     if _turned(before, after, ConditionType.STALLED, "True"):
         stalled = get_condition(after.conditions, ConditionType.STALLED)
         events.append(Event(WARNING, stalled.reason, stalled.message))
+    events += _cache_evictions(before, after)
     trouble = _serving_pod_waits(before, after)
     if trouble is not None:
         events.append(trouble)

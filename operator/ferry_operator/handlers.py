@@ -35,7 +35,8 @@ from .executors.diagnosis import FORBIDDEN, forbidden
 from .node_cache import FillNode, RemoveFill
 from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
-from .serving import OWNER_ANNOTATION, DeploymentFacts, deployment_facts
+from .serving import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, DeploymentFacts, cache_evicted_label,
+                      cache_label, deployment_facts)
 from .serving_loader import REPORTER_CLUSTER_ROLE, LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .ownership import Wirer, owner_of
@@ -203,8 +204,31 @@ async def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -
     return {(namespace, labels["job-name"]): dict(body)}
 
 
+@kopf.index("", "v1", "nodes", labels={CACHE_AGENT_LABEL: kopf.PRESENT})
+async def cache_nodes(name: str, labels: Any, **_: Any) -> dict[str, dict[str, str]]:
+    """The nodes whose node cache agent keeps their cache labels, with those labels: which hold which
+    artifact (status.cache), and why one left."""
+    return {name: _cache_labels(labels)}
+
+
 # Wake-ups: the watch events of what a ModelWeights depends on. On the event
 # loop (async), cheap, and never an API call.
+_node_labels_seen: dict[str, dict[str, str]] = {}  # node -> its cache labels at the last event (on the loop)
+
+
+@kopf.on.event("", "v1", "nodes", labels={CACHE_AGENT_LABEL: kopf.PRESENT})
+async def cache_node_changed(name: str, labels: Any, type: str | None, **_: Any) -> None:
+    now = {} if type == "DELETED" else _cache_labels(labels)
+    before = _node_labels_seen.pop(name, {})
+    if now:
+        _node_labels_seen[name] = now
+    WAKEUPS.wake_label_readers({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)})
+
+
+def _cache_labels(labels: Any) -> dict[str, str]:
+    return {k: v for k, v in (labels or {}).items() if k.startswith(CACHE_LABEL_PREFIX)}
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def modelweights_changed(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
     if WAKEUPS.inputs_changed((namespace, name), _inputs(body)):  # not its own status write
@@ -319,7 +343,7 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
     wake = WAKEUPS.register(key)
     loop = asyncio.get_running_loop()
     indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods", "wirings",
-                                          "fill_jobs")}
+                                          "fill_jobs", "cache_nodes")}
     patched: dict[str, Any] | None = None
     failures = 0
     try:
@@ -361,7 +385,8 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
             EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"], indexes.get("fill_jobs"))
         result, patch, delay = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
-                                                     indexes.get("serving_pods"), indexes.get("wirings"))
+                                                     indexes.get("serving_pods"), indexes.get("wirings"),
+                                                     indexes.get("cache_nodes"))
         wired = [d.get("name") for d in ((body.get("spec") or {}).get("serving") or {}).get("deployments") or []]
         WAKEUPS.record((namespace, name), _inputs(body), [w for w in wired if w])
     finally:
@@ -390,7 +415,7 @@ def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str,
 
 def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
                           deployment_index: Any, pod_index: Any = None,
-                          wiring_index: Any = None) -> tuple[str, dict[str, Any], float]:
+                          wiring_index: Any = None, node_index: Any = None) -> tuple[str, dict[str, Any], float]:
     """(result for the metrics, the status merge patch, seconds until the next look)."""
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
@@ -406,7 +431,7 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
     result = "ok"
     try:
         status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index,
-                                           wiring_index)
+                                           wiring_index, node_index)
         delay = _next_look(requeue_after, bool(actions))
     except ApiException as exc:
         if exc.status != 403:  # logged and retried by the reconciler
@@ -452,7 +477,7 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
                deployment_index: Any = None, pod_index: Any = None,
-               wiring_index: Any = None) -> tuple[ModelWeightsStatus, float | None]:
+               wiring_index: Any = None, node_index: Any = None) -> tuple[ModelWeightsStatus, float | None]:
     """Observe, plan, act; the status the planner computed and when to look
     again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
@@ -474,8 +499,12 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         owners=deployment_owners(mw, deployments, wiring_index),
         fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
         prewarm_nodes=prewarm_nodes(mw),
+        cache_nodes={node: dict(labels) for node, store in (node_index or {}).items() for labels in store},
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
+    digest = result.status.cache.digest if result.status.cache else ""
+    WAKEUPS.reads_labels((namespace, name), frozenset({cache_label(digest), cache_evicted_label(digest)})
+                         if digest else frozenset())
     for step in steps:
         if step_states[step.id].phase == StepPhase.SUCCEEDED:
             metrics.step_succeeded(step.id, step.name, _format(mw))

@@ -14,17 +14,26 @@ the extra round finds the entry complete and ends at once. A failed round
 is retried after FILL_RETRY and said in the status meanwhile, with its
 pod's reason. Only each node's latest round is kept; fill Jobs of other
 digests (an earlier artifact) are removed.
+
+Which nodes hold it (status.cache): on a node whose agent keeps its labels
+(`cache.ferry.dev/agent`), the digest's label says, so an entry evicted from a
+node with no pod of it left shows at once; on other nodes (an agent whose
+admission policy is not enforced labels nothing) the fill rounds say. A node
+of the previous status whose agent's labels no longer hold the digest is an
+eviction, with the reason the agent left in `cache.ferry.dev/evicted.<hash>`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
-from .api.types import Artifact, ModelWeightsSpec, NodeCacheStatus
+from .api.types import Artifact, ModelWeightsSpec, NodeCacheEviction, NodeCacheStatus
+from .serving import cache_evicted_label, cache_label
 from .weights_loaded import PodFacts
 
 REFILL_AFTER = timedelta(minutes=2)  # a pod still waiting this long after it came and its node's fill ended
 FILL_RETRY = timedelta(minutes=1)
+KEEP_EVICTIONS = 8
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,12 @@ class CachePlan:
 
 
 def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts], pods: list[PodFacts],
-               prewarm_nodes: list[str], at: datetime) -> CachePlan:
+               prewarm_nodes: list[str], at: datetime, labelled: dict[str, dict[str, str]] | None = None,
+               previous: NodeCacheStatus | None = None) -> CachePlan:
+    """`labelled`: node -> its cache.ferry.dev/ labels, for the nodes whose agent keeps them;
+    `previous`: status.cache as it was."""
     digest = artifact.manifest_digest or ""
+    labelled = labelled or {}
     latest: dict[str, FillFacts] = {}
     for f in sorted((f for f in fills if f.digest == digest), key=lambda f: f.round):
         latest[f.node] = f
@@ -82,10 +95,14 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
             out.actions.append(FillNode(node, artifact, again))
         if again is not None or (fill is not None and not fill.confirmed and fill.phase != "Failed"):
             filling.add(node)
-    warm = sorted(n for n, f in latest.items() if f.confirmed and n not in filling)
+    label = cache_label(digest)
+    warm = sorted({n for n, labels in labelled.items() if labels.get(label) == "true"}
+                  | {n for n, f in latest.items() if f.confirmed and n not in filling and n not in labelled})
+    filling -= set(warm)
     summary = f"{len(warm)}" + (f" (+{len(filling)})" if filling else "")
     out.status = NodeCacheStatus(digest=digest, warm_nodes=len(warm), filling_nodes=len(filling),
-                                 nodes=warm[:64], summary=summary)
+                                 nodes=warm[:64], summary=summary,
+                                 evictions=_evictions(digest, labelled, warm, previous, at))
     out.hold = _prewarm_hold(spec, prewarm_nodes, warm, latest)
     return out
 
@@ -106,6 +123,27 @@ def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime],
         notes.append(f"a pod on {node} waits for the node cache entry its fill made: filling again")
         return fill.round + 1
     return None
+
+
+def _evictions(digest: str, labelled: dict[str, dict[str, str]], warm: list[str],
+               previous: NodeCacheStatus | None, at: datetime) -> list[NodeCacheEviction]:
+    """The evictions so far, and the nodes of the previous status whose agent now says the entry is gone."""
+    if previous is None or previous.digest != digest:
+        return []
+    out = list(previous.evictions)
+    for node in previous.nodes:
+        if node in labelled and node not in warm:
+            why, _, when = labelled[node].get(cache_evicted_label(digest), "").partition(".")
+            out.append(NodeCacheEviction(node=node, reason=why if why in REASONS else "unknown",
+                                         at=_unix(when) or at))
+    return out[-KEEP_EVICTIONS:]
+
+
+REASONS = ("lru", "corrupt", "removed")  # the agent's (ferry_worker/cache/store.py)
+
+
+def _unix(text: str) -> datetime | None:
+    return datetime.fromtimestamp(int(text), timezone.utc) if text.isdigit() else None
 
 
 def _waiting_since(pods: list[PodFacts], digest: str) -> dict[str, datetime]:

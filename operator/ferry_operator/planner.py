@@ -79,6 +79,8 @@ class Observed:
     # serving.nodeCache.prewarm.nodeSelector selects.
     fills: list[FillFacts] | None = None
     prewarm_nodes: list[str] = field(default_factory=list)
+    # The nodes whose node agent keeps their cache labels: node -> its cache.ferry.dev/ labels.
+    cache_nodes: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -405,7 +407,8 @@ def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _D
         return draft.stalled("NodeCacheUnavailable", "serving.nodeCache needs the kubernetes executor (the chart) "
                              "and its node agent (nodeCache.enabled): the local executor has no nodes to cache "
                              "on; remove serving.nodeCache", facts, ConditionType.SERVING_UPDATED)
-    cache = cache_plan(mw.spec, facts, observed.fills, observed.pods, observed.prewarm_nodes, draft.at)
+    cache = cache_plan(mw.spec, facts, observed.fills, observed.pods, observed.prewarm_nodes, draft.at,
+                       labelled=observed.cache_nodes, previous=mw.status.cache if mw.status else None)
     prewarm = mw.spec.serving.node_cache.prewarm
     if prewarm is not None and not observed.prewarm_nodes:
         cache.notes.append(f"no node matches serving.nodeCache.prewarm.nodeSelector {prewarm.node_selector}")

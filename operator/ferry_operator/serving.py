@@ -196,11 +196,22 @@ CACHE_LABEL_SALT = b"cache.ferry.dev node label of "  # the agent's LABEL_SALT (
 CACHE_AFFINITY_WEIGHT = 50
 
 
+CACHE_AGENT_LABEL = CACHE_LABEL_PREFIX + "agent"  # on a node whose agent keeps its cache labels
+
+
 def cache_label(digest: str) -> str:
     """The label the node agent puts on a node that holds the artifact's entry: a hash of the digest (node
     labels are readable cluster-wide; the digest is what a cache volume names), 63 hex digits."""
-    salted = CACHE_LABEL_SALT + digest.removeprefix("sha256:").encode()
-    return CACHE_LABEL_PREFIX + hashlib.sha256(salted).hexdigest()[:63]
+    return CACHE_LABEL_PREFIX + _label_hash(digest)[:63]
+
+
+def cache_evicted_label(digest: str) -> str:
+    """The label the agent leaves for a while when the entry goes: `<why>.<unix time>`."""
+    return CACHE_LABEL_PREFIX + "evicted." + _label_hash(digest)[:55]
+
+
+def _label_hash(digest: str) -> str:
+    return hashlib.sha256(CACHE_LABEL_SALT + digest.removeprefix("sha256:").encode()).hexdigest()
 
 
 def preferred_nodes(current: list[dict[str, Any]], digest: str | None) -> list[dict[str, Any]]:

@@ -3,8 +3,8 @@
 Each ModelWeights has one reconciler (a kopf daemon) that sleeps until woken
 or until its resync is due. It is woken by the watch events of what it
 depends on — its own spec or retry annotation, its prepare Jobs and their
-pods, the Deployments it wires and their pods — and by a local worker's
-exit. So a change is acted on as it happens, and an idle object costs a
+pods, the Deployments it wires and their pods, the node cache labels of its
+artifact — and by a local worker's exit. So a change is acted on as it happens, and an idle object costs a
 wake-up per resync, not a re-plan every couple of seconds.
 
 Everything here runs on the operator's event loop except `wake_threadsafe`
@@ -27,6 +27,8 @@ class Wakeups:
         self._wirers: dict[Key, set[Key]] = {}  # Deployment -> the ModelWeights that wire it
         self._wires: dict[Key, set[Key]] = {}  # ModelWeights -> the Deployments it wires
         self._inputs: dict[Key, Hashable] = {}  # ModelWeights -> the inputs it was last reconciled with
+        self._label_readers: dict[str, set[Key]] = {}  # node label -> the ModelWeights whose status counts it
+        self._labels_read: dict[Key, frozenset[str]] = {}
 
     def register(self, key: Key) -> asyncio.Event:
         """The reconciler's wake-up flag (called on the loop, as the reconciler starts)."""
@@ -40,6 +42,7 @@ class Wakeups:
         with self._lock:
             self._inputs.pop(key, None)
             released = self._rewire(key, set())
+            self._read_labels(key, frozenset())
         self._wake_soon(released)
 
     def wake(self, key: Key) -> None:
@@ -85,6 +88,29 @@ class Wakeups:
     def inputs_changed(self, key: Key, inputs: Hashable) -> bool:
         with self._lock:
             return self._inputs.get(key) != inputs
+
+    def reads_labels(self, key: Key, labels: frozenset[str]) -> None:
+        """`key`'s status counts the nodes carrying these labels (its artifact's node cache labels)."""
+        with self._lock:
+            self._read_labels(key, labels)
+
+    def _read_labels(self, key: Key, labels: frozenset[str]) -> None:
+        for label in self._labels_read.pop(key, frozenset()) - labels:
+            readers = self._label_readers[label]
+            readers.discard(key)
+            if not readers:
+                del self._label_readers[label]
+        for label in labels:
+            self._label_readers.setdefault(label, set()).add(key)
+        if labels:
+            self._labels_read[key] = labels
+
+    def wake_label_readers(self, labels: set[str]) -> None:
+        """A node's labels changed: wake those that count nodes by them."""
+        with self._lock:
+            keys = {key for label in labels for key in self._label_readers.get(label, ())}
+        for key in keys:
+            self.wake(key)
 
     def wake_wirers(self, deployment: Key) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ import localcluster
 import localnode
 from checkpoints import LLAMA3, write_checkpoint
 from cluster_support import wait_for
-from ferry_worker.cache.node_labels import label_for
+from ferry_worker.cache.node_labels import evicted_label_for, label_for
 from ferry_worker.cache.store import cache_key
 from ferry_worker.load.selection import select
 from ferry_worker.manifest import manifest_digest, read_manifest
@@ -393,6 +393,25 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
         assert status["cache"]["digest"] == new_digest and status["cache"]["summary"] == "1", status["cache"]
         log = agent_log(node, chart_operator["namespace"])
         assert sum(f"fill slot of {cache_key(new_digest)}" in line for line in log.splitlines()) == 1, log
+
+        # The node lets the artifact go with no pod of it left there (an admin's `ferry cache evict` in the
+        # agent's pod): status.cache counts it gone from the agent's labels, and an Event says why.
+        node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=0")
+        wait_for(lambda: not pods_of(node, name), "the replica gone", timeout=120)
+        agent = agent_pod(node, chart_operator["namespace"])
+        (container,) = agent["spec"]["containers"]
+        store_command = container["command"][:container["command"].index("agent")]  # ferry cache --root ...
+        node.kubectl("exec", agent["metadata"]["name"], "-n", chart_operator["namespace"], "--",
+                     *store_command, "evict", "--digest", new_digest)
+        cache = wait_for(lambda: (c := mw_status(node, NAMESPACE, name)["cache"])["warmNodes"] == 0 and c,
+                         "status.cache counting the node gone", timeout=150)
+        assert [(e["node"], e["reason"]) for e in cache["evictions"]] == [(localnode.NODE_NAME, "removed")], cache
+        assert node_labels(node)[evicted_label_for(new_digest)].startswith("removed.")
+        events = wait_for(lambda: [e["message"] for e in node.get_json(
+            "events", "-n", NAMESPACE, "--field-selector",
+            f"involvedObject.name={name},reason=NodeCacheEvicted")["items"]], "the NodeCacheEvicted event")
+        assert f"the node cache on {localnode.NODE_NAME} no longer holds the artifact: removed by an admin" in \
+            events[0], events
     finally:  # its pods mount a node cache entry: they must go while the agent runs
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,

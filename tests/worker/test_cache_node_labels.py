@@ -8,15 +8,17 @@ tests/node/test_node_cache_on_node.py."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from ferry_operator.serving import cache_label
-from ferry_worker.cache.node_labels import LABEL_PREFIX, NodeLabeler, label_for, label_patch, wanted_labels
-from ferry_worker.cache.store import CacheStore, Watermarks, cache_key
-from ferry_worker.manifest import manifest_digest
+from ferry_operator.serving import CACHE_AGENT_LABEL, cache_evicted_label, cache_label
+from ferry_worker.cache.node_labels import (AGENT_LABEL, LABEL_PREFIX, NodeLabeler, evicted_label_for, label_for,
+                                            label_patch, wanted_labels)
+from ferry_worker.cache.store import CORRUPT, REMOVAL_MEMORY_S, CacheStore, Watermarks, cache_key
+from ferry_worker.manifest import IntegrityError, manifest_digest
 
 BIG = Watermarks(high=1 << 40, low=1 << 39)
 
@@ -47,9 +49,11 @@ class FakeNodes:
                 self.labels[k] = v
 
 
-def test_the_operator_prefers_exactly_the_label_the_agent_writes():
+def test_the_operator_reads_exactly_the_labels_the_agent_writes():
     d = "sha256:" + "ab" * 32
     assert cache_label(d) == label_for(d)
+    assert cache_evicted_label(d) == evicted_label_for(d) and CACHE_AGENT_LABEL == AGENT_LABEL
+    assert len(evicted_label_for(d).removeprefix(LABEL_PREFIX)) == 63
     name = label_for(d).removeprefix(LABEL_PREFIX)
     assert len(name) == 63 and all(c in "0123456789abcdef" for c in name)  # a label name's limit
     # Not the digest: anyone who may read nodes reads their labels, and the digest is what mounts an entry.
@@ -58,11 +62,14 @@ def test_the_operator_prefers_exactly_the_label_the_agent_writes():
 
 def test_the_patch_adds_and_removes_only_cache_labels():
     other = {"kubernetes.io/hostname": "n1", "cache.ferry.dev/" + "0" * 63: "true", "team": "ml"}
-    want = {"cache.ferry.dev/" + "1" * 63}
+    want = {"cache.ferry.dev/" + "1" * 63: "true"}
     assert label_patch(other, want) == {"metadata": {"labels": {
         "cache.ferry.dev/" + "1" * 63: "true", "cache.ferry.dev/" + "0" * 63: None}}}
     assert label_patch({**other, "cache.ferry.dev/" + "1" * 63: "true"} | {"cache.ferry.dev/" + "0" * 63: "true"},
-                       {"cache.ferry.dev/" + "0" * 63, "cache.ferry.dev/" + "1" * 63}) is None
+                       {"cache.ferry.dev/" + "0" * 63: "true", "cache.ferry.dev/" + "1" * 63: "true"}) is None
+    # A value changes in place (a removal's reason and time).
+    assert label_patch({"cache.ferry.dev/evicted.x": "lru.1"}, {"cache.ferry.dev/evicted.x": "corrupt.2"}) == {
+        "metadata": {"labels": {"cache.ferry.dev/evicted.x": "corrupt.2"}}}
 
 
 def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
@@ -73,7 +80,7 @@ def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
     a0, a1 = cache_artifacts["a0"], cache_artifacts["a1"]
     store.fill(a0, manifest_digest(a0))
     store.fill(a1, manifest_digest(a1), ranks=[0])  # one rank's entry serves no wired pod: no label
-    assert wanted_labels(store) == {label_for(manifest_digest(a0))}
+    assert wanted_labels(store) == {AGENT_LABEL: "true", label_for(manifest_digest(a0)): "true"}
     assert labeler._dirty.is_set()  # the publish asked for a sync
 
     stop = threading.Event()
@@ -81,14 +88,42 @@ def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
     worker.start()
     try:
         _until(lambda: label_for(manifest_digest(a0)) in nodes.labels)
+        assert nodes.labels[AGENT_LABEL] == "true"  # the operator may count from these labels
         store.remove(cache_key(manifest_digest(a0)))
         _until(lambda: label_for(manifest_digest(a0)) not in nodes.labels)
+        # Why it went, and when, for the operator's Event.
+        why, at = nodes.labels[evicted_label_for(manifest_digest(a0))].split(".")
+        assert why == "removed" and abs(int(at) - time.time()) < 60
     finally:
         stop.set()
         labeler.changed()
         worker.join(5)
-    assert nodes.labels == {"kubernetes.io/hostname": "n1"}  # the node's own label untouched throughout
+    assert set(nodes.labels) == {"kubernetes.io/hostname", AGENT_LABEL, evicted_label_for(manifest_digest(a0))}
     assert labeler.sync() is None  # nothing left to change
+
+
+def test_a_removal_is_said_until_it_is_old_or_the_entry_is_back(tmp_path, cache_artifacts):
+    now = [1_000_000.0]
+    store = CacheStore(tmp_path / "cache", BIG, clock=lambda: now[0])
+    a0 = cache_artifacts["a0"]
+    digest = manifest_digest(a0)
+    store.fill(a0, digest)
+    victim = sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[0]
+    victim.chmod(0o644)
+    with open(victim, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(IntegrityError, match=victim.name):
+        store.mount_entry(cache_key(digest), "pod-1")
+    assert wanted_labels(store)[evicted_label_for(digest)] == f"{CORRUPT}.1000000"
+    store.fill(a0, digest)  # filled again: the removal is no longer news
+    assert evicted_label_for(digest) not in wanted_labels(store)
+    store.remove(cache_key(digest))
+    assert wanted_labels(store)[evicted_label_for(digest)] == "removed.1000000"
+    now[0] += REMOVAL_MEMORY_S + 1
+    assert wanted_labels(store) == {AGENT_LABEL: "true"}
 
 
 def test_without_the_policy_the_agent_labels_nothing_until_it_is_enforced(tmp_path, cache_artifacts, caplog):

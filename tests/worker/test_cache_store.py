@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -166,7 +167,6 @@ def test_a_mount_verifies_every_byte_unless_recently_verified_and_unchanged(tmp_
     """Within reverify_after of the last verification (the fill's, or a mount's) with the files unchanged, a
     mount reads nothing. A change to a file, the window passing, or a file changed too recently for its
     times to show the next change (SETTLE_NS) brings the full check back."""
-    import time
     import ferry_worker.cache.store as store_module
 
     reads = []
@@ -206,6 +206,73 @@ def test_a_mount_verifies_every_byte_unless_recently_verified_and_unchanged(tmp_
     store2 = CacheStore(tmp_path / "cache2", BIG)
     store2.fill(source, digest(source))
     assert store2.mount_entry(key, "pod-a")[1] is True and store2.mount_entry(key, "pod-b")[1] is True
+
+
+def flip_last_byte(path: Path) -> None:
+    path.chmod(0o644)
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_scrub_rereads_entries_not_verified_lately_and_removes_the_corrupt(tmp_path, artifacts, monkeypatch):
+    import ferry_worker.cache.store as store_module
+
+    reads = []
+    real_read = store_module.read_files
+    monkeypatch.setattr(store_module, "read_files", lambda *a, **kw: reads.append(1) or real_read(*a, **kw))
+    monkeypatch.setattr(store_module, "SETTLE_NS", 0)  # files just written count as settled (no 2 s waits)
+    clock = [1000.0]
+    store = CacheStore(tmp_path / "cache", BIG, clock=lambda: clock[0], reverify_after=3600)
+    a0, a1 = artifacts["a0"], artifacts["a1"]
+    k0, k1 = cache_key(digest(a0)), cache_key(digest(a1))
+    store.fill(a0, digest(a0))
+    store.fill(a1, digest(a1))
+    flip_last_byte(store.entry(k0) / "model-rank-0-part-0.safetensors")  # rot after the fill's verification
+    reads.clear()
+    assert store.scrub(every=7200) == [] and reads == []  # verified within the interval: not read
+    clock[0] += 7201
+    (problem,) = store.scrub(every=7200)
+    assert problem.startswith(k0) and "model-rank-0-part-0.safetensors" in problem and len(reads) == 2
+    assert store.entry(k0) is None and store.entry(k1) is not None
+    assert store.removals() == {k0: ("corrupt", clock[0])}  # said on the node's labels
+    reads.clear()
+    assert store.scrub(every=7200) == [] and reads == []  # a1 was stamped by this pass
+
+    # Mounted: it stays for its pods, but the next mount reads it all (the stamp is gone) and refuses it.
+    store.fill(a0, digest(a0))
+    assert store.mount_entry(k0, "pod-a")[1] is False
+    flip_last_byte(store.entry(k0) / "model-rank-1-part-0.safetensors")
+    clock[0] += 7201
+    (problem,) = store.scrub(every=7200)
+    assert "model-rank-1-part-0.safetensors" in problem and store.entry(k0) is not None
+    store.release(k0, "pod-a")
+    with pytest.raises(IntegrityError, match="model-rank-1-part-0.safetensors"):
+        store.mount_entry(k0, "pod-b")
+    assert store.entry(k0) is None
+
+
+def test_the_agents_scrubber_runs_until_stopped(tmp_path, artifacts):
+    from ferry_worker.cache.csi.agent import scrubber
+
+    store = CacheStore(tmp_path / "cache", BIG)
+    a0 = artifacts["a0"]
+    store.fill(a0, digest(a0))
+    flip_last_byte(store.entry(cache_key(digest(a0))) / "model-rank-0-part-0.safetensors")
+    stop = threading.Event()
+    worker = threading.Thread(target=scrubber, args=(store, 0.05, stop))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while store.entry(cache_key(digest(a0))) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.entry(cache_key(digest(a0))) is None
+    finally:
+        stop.set()
+        worker.join(5)
+    assert not worker.is_alive()
 
 
 def test_eviction_is_lru_between_watermarks_and_spares_mounted_and_pinned(tmp_path, artifacts):

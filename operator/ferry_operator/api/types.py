@@ -690,16 +690,31 @@ class LoadedReplicas(Model):
     p50_load_seconds: float | None = Field(None, ge=0, description="Median seconds the loaded pods' loader ran.")
 
 
+class NodeCacheEviction(Model):
+    """A node that held the current artifact and no longer does."""
+
+    node: str = Field(max_length=253, description="The node.")
+    reason: str = Field(max_length=32, description="lru (made room for another fill), corrupt (a mount found a "
+                                                   "file that does not match the manifest), removed (by an "
+                                                   "admin), or unknown.")
+    at: datetime | None = Field(None, description="When its node agent removed the entry.")
+
+
 class NodeCacheStatus(Model):
     """Where the current artifact is held on node disk (serving.nodeCache)."""
 
     digest: str = Field("", max_length=80, description="The manifest digest the node cache entries are keyed by.")
-    warm_nodes: int = Field(0, ge=0, description="Nodes whose fill of this digest completed.")
+    warm_nodes: int = Field(0, ge=0, description="Nodes that hold this digest: those whose node agent labels "
+                                                 "the node with it, and, on nodes whose agent does not label "
+                                                 "(yet), those whose fill completed.")
     filling_nodes: int = Field(0, ge=0, description="Nodes with a fill under way.")
     nodes: list[Annotated[str, Field(max_length=253, description="A node's name.")]] = Field(
                              default_factory=list, max_length=64,
                              description="The warm nodes, by name (the first 64).")
     summary: str = Field("", max_length=32, description="Warm nodes, and fills under way: e.g. 3 (+1).")
+    evictions: list[NodeCacheEviction] = Field(
+        default_factory=list, max_length=8,
+        description="The latest nodes this artifact left (evicted, found corrupt, removed), newest last.")
 
 
 class StepRetry(Model):

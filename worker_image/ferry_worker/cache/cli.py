@@ -57,6 +57,9 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
                        help="a serving mount verifies every byte of the entry unless it was verified less than "
                             "this long ago and its files are unchanged since (0: at every mount; the pod's "
                             "loader verifies what it reads either way; default 3600)")
+    agent.add_argument("--scrub-every", type=float, default=86400.0, metavar="SECONDS",
+                       help="read every byte of each entry not verified for this long again, one at a time: "
+                            "a corrupt one is removed (0: never; default 86400)")
     cache.set_defaults(run=_cache)
 
 
@@ -107,7 +110,7 @@ def _cache(args: argparse.Namespace) -> int:
         from .csi.agent import serve
 
         store.reverify_after = args.reverify_after
-        return serve(store, args.kubelet_dir, args.node_name, args.mount_wait)
+        return serve(store, args.kubelet_dir, args.node_name, args.mount_wait, args.scrub_every)
     if args.action == "fill":
         print(store.fill(args.source, args.digest, args.ranks))
     elif args.action == "check":

@@ -1,6 +1,12 @@
 """The node's labels for what its cache holds: `cache.ferry.dev/<hash of the
 digest>: "true"` for each whole-artifact entry, so the operator can give wired pods a
-*preferred* node affinity towards nodes that already hold their artifact.
+*preferred* node affinity towards nodes that already hold their artifact and
+count the nodes that hold it (status.cache). Two more kinds of label:
+`cache.ferry.dev/agent: "true"` says these labels are kept (the agent runs and
+its policy is enforced: the operator counts from them and not from its fill
+rounds), and `cache.ferry.dev/evicted.<hash>: "<why>.<unix time>"` says for
+REMOVAL_MEMORY_S why an entry left (least recently used, corrupt, removed by
+an admin), so the operator can post it as an Event.
 
 The agent is the one writer that knows what its disk holds (fills, evictions,
 an admin's `ferry cache evict`), so it keeps the labels itself: after each
@@ -25,6 +31,8 @@ log = logging.getLogger(__name__)
 
 LABEL_PREFIX = "cache.ferry.dev/"
 LABEL_SALT = b"cache.ferry.dev node label of "  # the operator's serving.cache_label hashes the same
+AGENT_LABEL = LABEL_PREFIX + "agent"
+EVICTED_PREFIX = LABEL_PREFIX + "evicted."
 PROBE_LABEL = "ferry.dev/node-cache-policy-probe"  # outside the prefix: the policy must refuse it
 POLICY_WORDS = "may change only labels under cache.ferry.dev/"  # the chart's policy's message (node-cache.yaml)
 FIELD_MANAGER = "ferry-node-cache"
@@ -34,19 +42,34 @@ def label_for(digest: str) -> str:
     """The label of an artifact's entry: a hash of its digest, not the digest. Anyone who may read nodes
     reads their labels, and a digest is what a pod's cache volume names, so the label must not give it
     away. 63 hex digits: a label name's limit."""
-    return LABEL_PREFIX + hashlib.sha256(LABEL_SALT + digest.removeprefix("sha256:").encode()).hexdigest()[:63]
+    return LABEL_PREFIX + _hash(digest)[:63]
 
 
-def wanted_labels(store: CacheStore) -> set[str]:
-    """One label per complete whole-artifact entry (entries of some ranks only serve no wired pod)."""
-    return {label_for(key) for key in store.keys() if "." not in key}
+def evicted_label_for(digest: str) -> str:
+    """The label that says why an artifact's entry left the node (63 characters: a label name's limit)."""
+    return EVICTED_PREFIX + _hash(digest)[:55]
 
 
-def label_patch(current: dict[str, str], wanted: set[str]) -> dict[str, Any] | None:
+def _hash(digest: str) -> str:
+    return hashlib.sha256(LABEL_SALT + digest.removeprefix("sha256:").encode()).hexdigest()
+
+
+def wanted_labels(store: CacheStore) -> dict[str, str]:
+    """The agent's label, one per complete whole-artifact entry (entries of some ranks only serve no
+    wired pod), and one per recent removal with its reason and time."""
+    held = [key for key in store.keys() if "." not in key]
+    wanted = {AGENT_LABEL: "true"} | {label_for(key): "true" for key in held}
+    for key, (why, at) in store.removals().items():
+        if "." not in key:
+            wanted[evicted_label_for(key)] = f"{why}.{int(at)}"
+    return wanted
+
+
+def label_patch(current: dict[str, str], wanted: dict[str, str]) -> dict[str, Any] | None:
     """The merge patch that makes the node's cache labels exactly `wanted`, leaving every other label."""
     ours = {k for k in current if k.startswith(LABEL_PREFIX)}
-    changes: dict[str, str | None] = {k: "true" for k in sorted(wanted) if current.get(k) != "true"}
-    changes |= {k: None for k in sorted(ours - wanted)}
+    changes: dict[str, str | None] = {k: v for k, v in sorted(wanted.items()) if current.get(k) != v}
+    changes |= {k: None for k in sorted(ours - set(wanted))}
     return {"metadata": {"labels": changes}} if changes else None
 
 

@@ -79,6 +79,11 @@ def cache_key(digest: str, ranks: list[int] | None = None) -> str:
     return hexdigest + (f".ranks-{'-'.join(map(str, sorted(set(ranks))))}" if ranks is not None else "")
 
 
+# Why an entry was removed (said in the node's labels, and by the operator in an Event).
+LEAST_RECENTLY_USED, CORRUPT, REMOVED_BY_ADMIN = "lru", "corrupt", "removed"
+REMOVAL_MEMORY_S = 600.0  # how long a removal is remembered (and shown on the node)
+
+
 class CacheStore:
     def __init__(self, root: Path, marks: Watermarks, clock: Callable[[], float] = time.time,
                  disk_free: Callable[[], int] | None = None, reverify_after: float = 0.0):
@@ -88,7 +93,7 @@ class CacheStore:
         self.reverify_after = reverify_after
         self.disk_free = disk_free or (lambda: shutil.disk_usage(self.root).free)
         self.on_change: Callable[[], None] = lambda: None  # an entry was published or removed (node labels)
-        for part in ("entries", "filling", "holders", "meta", "locks", "slots"):
+        for part in ("entries", "filling", "holders", "meta", "locks", "slots", "removed"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
         for doomed in (self.root / "filling").glob(".evicted-*"):  # an eviction a crash interrupted
             _make_removable(doomed)
@@ -210,6 +215,7 @@ class CacheStore:
         fsync_dir(final.parent)
         (self.root / "slots" / key).unlink(missing_ok=True)
         self._stamp_verified(key, _fingerprint(final)[0], self.clock())  # every byte verified on its way in
+        (self.root / "removed" / key).unlink(missing_ok=True)
         self.on_change()
         return final
 
@@ -243,7 +249,7 @@ class CacheStore:
             with self._lock(key):
                 if not self.holders(key):
                     log.warning("removed corrupt entry %s: the next fill fetches it again", key)
-                    self._remove(key)
+                    self._remove(key, CORRUPT)
             raise
         except BaseException:
             self.release(key, holder)
@@ -304,9 +310,34 @@ class CacheStore:
             read_files(path, wanted, ReadOptions())
         except IntegrityError:
             if not self.holders(key):
-                self._remove(key)
+                self._remove(key, CORRUPT)
             raise
         self._stamp_verified(key, files if settled else None, started)
+
+    def scrub(self, every: float) -> list[str]:
+        """Verify every byte of each entry not verified within `every` seconds (bit rot that no write shows,
+        which a mount inside the reverify window would not see). A corrupt entry no pod has mounted is
+        removed; one a pod has mounted loses its verification stamp, so the next mount reads it all and
+        removes it once its pods let go. One entry at a time, and none a mount or eviction holds the lock
+        of. Returns the corrupt entries' errors."""
+        problems = []
+        for key in self.keys():
+            verified = (self._meta(key).get("verified") or {}).get("at", float("-inf"))
+            if verified > self.clock() - every:
+                continue
+            with self._try_lock(key) as locked:
+                if not locked or self.entry(key) is None:
+                    continue
+                try:
+                    self.check(key)
+                except IntegrityError as exc:
+                    held = self.holders(key)
+                    if held:
+                        self._stamp_verified(key, None, 0.0)
+                    log.error("scrub: entry %s is corrupt (%s); %s", key, exc,
+                              f"mounted by {', '.join(held)}: the next mount re-reads it" if held else "removed")
+                    problems.append(f"{key}: {exc}")
+        return problems
 
     # -- eviction --------------------------------------------------------------------------------------------
     def evict(self, needed: int = 0, keep: str | None = None) -> list[str]:
@@ -325,7 +356,7 @@ class CacheStore:
                 nbytes = self._meta(key).get("bytes", 0)
                 log.info("evicted %s (%d bytes, least recently used; the cache held %d, low watermark %d)",
                          key, nbytes, used, self.marks.low)
-                self._remove(key)
+                self._remove(key, LEAST_RECENTLY_USED)
             used, free = used - nbytes, free + nbytes
             removed.append(key)
         return removed
@@ -337,7 +368,7 @@ class CacheStore:
                 raise CacheError(f"no cache entry {key}")
             if self.holders(key):
                 raise CacheError(f"entry {key} is mounted by {', '.join(self.holders(key))}: let its pods go first")
-            self._remove(key)
+            self._remove(key, REMOVED_BY_ADMIN)
             return key
 
     def _make_room(self, needed: int, key: str) -> None:
@@ -365,11 +396,29 @@ class CacheStore:
         return (self.usage() + needed <= self.marks.high
                 and self.disk_free() - needed >= self.marks.keep_free)
 
-    def _remove(self, key: str) -> None:
+    def removals(self) -> dict[str, tuple[str, float]]:
+        """Entries removed within REMOVAL_MEMORY_S and not filled again: key -> (why, when). The node's
+        labels carry them for a while, so the operator can say why an artifact left a node."""
+        out, now = {}, self.clock()
+        for path in (self.root / "removed").iterdir():
+            try:
+                record = json.loads(path.read_text())
+                why, at = str(record["why"]), float(record["at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                path.unlink(missing_ok=True)
+                continue
+            if now - at > REMOVAL_MEMORY_S or self.entry(path.name) is not None:
+                path.unlink(missing_ok=True)
+            else:
+                out[path.name] = (why, at)
+        return out
+
+    def _remove(self, key: str, why: str) -> None:
         path = self.root / "entries" / key
         if path.exists():
             doomed = self.root / "filling" / f".evicted-{key}-{uuid.uuid4().hex[:8]}"
             os.rename(path, doomed)  # gone from entries/ at once; the bytes go after
+            _write_json(self.root / "removed" / key, {"why": why, "at": self.clock()})
             self.on_change()
             _make_removable(doomed)
             shutil.rmtree(doomed)

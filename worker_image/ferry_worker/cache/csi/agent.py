@@ -24,6 +24,7 @@ from ..node_labels import NodeLabeler
 from ...pod_status import STANDARD_TOKEN_DIR, connect
 
 log = logging.getLogger(__name__)
+SCRUB_LOOK_S = 600.0
 
 
 def sockets(kubelet_dir: Path) -> tuple[Path, Path]:
@@ -64,12 +65,24 @@ def labeler(store: CacheStore, node_name: str, token_dir: Path = STANDARD_TOKEN_
     return node_labels
 
 
-def serve(store: CacheStore, kubelet_dir: Path, node_name: str, mount_wait: float) -> int:
+def scrubber(store: CacheStore, every: float, stop: threading.Event) -> None:
+    """Until `stop`: look every SCRUB_LOOK_S (or `every`, if shorter) for entries not verified within
+    `every` seconds, and read them again (store.scrub)."""
+    while not stop.wait(min(every, SCRUB_LOOK_S)):
+        try:
+            store.scrub(every)
+        except Exception:  # noqa: BLE001 - a disk error on one pass: said, and tried at the next
+            log.exception("scrub pass failed; trying again in %.0f s", min(every, SCRUB_LOOK_S))
+
+
+def serve(store: CacheStore, kubelet_dir: Path, node_name: str, mount_wait: float, scrub_every: float = 0.0) -> int:
     stop = threading.Event()
     node_labels = labeler(store, node_name)
     server = start(store, kubelet_dir, node_name, mount_wait)
     if node_labels is not None:
         threading.Thread(target=node_labels.run, args=(stop,), name="node-labels", daemon=True).start()
+    if scrub_every > 0:
+        threading.Thread(target=scrubber, args=(store, scrub_every, stop), name="scrub", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
