@@ -84,7 +84,7 @@ def merged_weights_volume(current: DeploymentFacts, pod_patch: dict[str, Any]) -
     (Ferry's node cache volume) keeps only the keys it lists."""
     for v in pod_patch.get("volumes") or []:
         if v.get("name") == "ferry-weights":
-            return next(k for k in v if k[0] != "$" and k != "name")
+            return "" if v.get("$patch") == "delete" else next(k for k in v if k[0] != "$" and k != "name")
     return current.weights_volume
 
 

@@ -22,7 +22,7 @@ from ferry_operator.serving import CACHE_AGENT_LABEL, DeploymentFacts, cache_evi
 from ferry_operator.serving_loader import LoaderSettings
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import PodFacts
-from serving_cases import merged_weights_volume
+from serving_cases import apply, merged_weights_volume
 from spec_cases import manifest, with_
 
 DIGEST = "sha256:" + "1" * 64
@@ -103,6 +103,63 @@ def test_turning_the_node_cache_on_or_off_rolls_the_deployment_once():
     assert on_cache.weights_volume == "csi"
     assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []
     assert kinds(plan(plain, observed(plain, on_cache), loader=LOADER), PatchDeployment)  # and back to the claim
+
+
+RUNAI_S3 = manifest(format={"type": "runai_streamer", "tensorParallelSize": 2}, storage={
+    "pvc": {"size": "200Gi"}, "s3": {"uri": "s3://ferry-artifacts/llama", "endpoint": "http://minio.storage:9000",
+                                     "credentialsSecretRef": {"name": "s3-creds"}}})
+S3_FACTS = ArtifactFacts(uri="s3://ferry-artifacts/llama/abc", total_bytes=3 << 30, manifest_digest=DIGEST)
+
+
+def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_back():
+    """runai_streamer published to storage.s3: the pods mount the node's entry and stream it from local disk
+    (vLLM's runai_streamer reads a directory too), with no S3 endpoint or credentials; turned off, the
+    store's URI and credentials come back and the volume goes."""
+    def spec(cache: bool):
+        obj = with_("serving.nodeCache", {"enabled": cache}, RUNAI_S3)
+        return parse({**obj, "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
+
+    def wire(m, current: DeploymentFacts):
+        seen = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)},
+                        artifact=S3_FACTS, deployments={NAME: current}, fills=[])
+        (patch,) = kinds(plan(m, seen, loader=LOADER), PatchDeployment)
+        return patch.patch["spec"]["template"]["spec"], apply(current, patch.patch)
+
+    pod, on_cache = wire(spec(True), deployment())
+    (c,) = pod["containers"]
+    assert "/ferry/weights" in c["args"] and not any("s3://" in a for a in c["args"])
+    assert c["args"][c["args"].index("--load-format") + 1] == "runai_streamer" and "env" not in c
+    assert next(v for v in pod["volumes"] if v["name"] == "ferry-weights")["csi"]["volumeAttributes"] == {
+        "digest": DIGEST}
+    (init,) = pod["initContainers"]
+    assert init["args"][init["args"].index("--artifact") + 1] == "/ferry/weights"
+    assert not [e for e in init.get("env") or [] if e["name"].startswith("AWS_")]
+    assert on_cache.weights_volume == "csi"
+
+    pod, off = wire(spec(False), on_cache)
+    (c,) = pod["containers"]
+    assert any(a.startswith("s3://ferry-artifacts/llama/abc") for a in c["args"])
+    assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"} in c["env"]
+    assert {"name": "ferry-weights", "$patch": "delete"} in pod["volumes"]
+    assert c["volumeMounts"] == [{"mountPath": "/ferry/weights", "$patch": "delete"}]
+    assert off.weights_volume == ""
+
+
+def test_the_fill_job_of_an_s3_artifact_reads_its_prefix_with_the_objects_credentials():
+    obj = with_("serving.nodeCache", {"enabled": True}, RUNAI_S3)
+    m = parse({**obj, "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
+    artifact = Artifact(uri=S3_FACTS.uri, format="runai_streamer", total_bytes=S3_FACTS.total_bytes,
+                        manifest_digest=DIGEST)
+    job = fill_job_manifest(m, "u-1", "gpu-a", artifact, 0, WorkerSettings(image="ferry.local/ferry:dev"))
+    pod = job["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]  # no claim
+    (c,) = pod["containers"]
+    assert c["args"] == ["cache", "fill-slot", "--slot", "/ferry/cache-slot", "--source",
+                         "s3://ferry-artifacts/llama/abc", "--digest", DIGEST]
+    assert {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
+        "name": "s3-creds", "key": "AWS_ACCESS_KEY_ID", "optional": False}}} in c["env"]
+    assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"} in c["env"]
+    assert pod["automountServiceAccountToken"] is False
 
 
 USERS_TERM = {"weight": 100, "preference": {"matchExpressions": [
@@ -277,7 +334,8 @@ def test_the_local_executor_cannot_cache_and_says_so():
 
 
 @pytest.mark.parametrize("path,value,field,words", [
-    ("format", {"type": "runai_streamer"}, "spec.serving.nodeCache", "format.type must be safetensors or sharded_state"),
+    ("format", {"type": "runai_streamer"}, "spec.serving.nodeCache",
+     "format.type must be safetensors or sharded_state, or runai_streamer with storage.s3"),
     ("serving.localCopy", True, "spec.serving.nodeCache", "use one"),
 ])
 def test_admission_names_the_field(path, value, field, words):

@@ -59,6 +59,18 @@ extra as runai-model-streamer[s3]==0.17.1), nothing for other releases or GPUs.
    started is stopped. Without vLLM: `ferry load` on a copy of the prefix
    with one object's bytes changed (same size) exits 2 naming that object.
 
+5. serving.nodeCache on the same spec (TP 1). The operator's fill Job for a
+   node (executors/cache_fill.py): its `ferry cache fill-slot --source
+   s3://...` run with its env resolved as above, into a directory standing
+   for the agent's slot; the S3 server logged one GET of each weights
+   object. Then Ferry's wiring with the cache: the entry directory in place
+   of the mount path Ferry wrote (as the kubelet mounts the agent's entry),
+   `ferry load` verifying every byte of it, and vLLM's `runai_streamer`
+   streaming it from local disk with no AWS_* or RUNAI_* variable and no
+   request to the S3 server, serving the original checkpoint's greedy
+   tokens. The agent's own part (adopt, verify, publish, mount) is proven in
+   tests/worker/test_cache_s3_fill.py and on the real node.
+
 Extra flags (vllm_server.extra_flags): --host 127.0.0.1 --port
 PORT (loopback only), --enforce-eager (no torch.compile warm-up; the
 reference runs eager too). Nothing else is added to Ferry's command line.
@@ -84,7 +96,10 @@ from pathlib import Path
 
 import pytest
 
-from ferry_operator.api.types import ModelWeights
+from ferry_operator.api.types import Artifact, ModelWeights
+from ferry_operator.executors.cache_fill import SLOT_MOUNT, fill_job_manifest
+from ferry_operator.executors.jobs import WorkerSettings
+from ferry_operator.serving import MOUNT_PATH
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
 from ferry_operator.serving_loader import LOADER_CONTAINER, TOKEN_DIR, TOKEN_VOLUME, LoaderSettings
@@ -161,13 +176,14 @@ class Published:
     steps: list[tuple[list[str], subprocess.CompletedProcess]]  # (argv, result) of each step
 
 
-def model_weights(s3: S3Server, original: Path, tp: int) -> ModelWeights:
+def model_weights(s3: S3Server, original: Path, tp: int, node_cache: bool = False) -> ModelWeights:
     obj = manifest(name=MW_NAME, source={"uri": f"file://{original}"},
                    storage={"pvc": {"size": "1Gi"},
                             "s3": {"uri": f"s3://{BUCKET}/models", "endpoint": s3.endpoint,
                                    "credentialsSecretRef": {"name": SECRET}}},
                    format=FORMATS[tp], deletionPolicy="Delete",
-                   serving={"deployments": [{"name": DEPLOYMENT, "container": CONTAINER}]})
+                   serving={"deployments": [{"name": DEPLOYMENT, "container": CONTAINER}],
+                            "nodeCache": {"enabled": node_cache}})
     obj["metadata"].update(namespace=NAMESPACE, generation=1, uid="0b1c2d3e-0000-4000-8000-000000000001")
     return parse(obj)
 
@@ -224,12 +240,13 @@ class Wired:
     init: dict  # the ferry-load init container
 
 
-def wire(pub: Published, tp: int) -> Wired:
+def wire(pub: Published, tp: int, node_cache: bool = False) -> Wired:
     """What the operator's planner writes into the Deployment for the published artifact."""
-    mw = model_weights(pub.s3, pub.original, tp)
+    mw = model_weights(pub.s3, pub.original, tp, node_cache)
     current = facts(["vllm", "serve"], USER_ARGS, name=DEPLOYMENT)
     observed = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(mw.spec)},
-                        artifact=pub.facts, deployments={DEPLOYMENT: current})
+                        artifact=pub.facts, deployments={DEPLOYMENT: current},
+                        fills=[] if node_cache else None)  # the kubernetes executor's (no fill yet)
     p = plan(mw, observed, loader=LOADER)
     (action,) = [a for a in p.actions if isinstance(a, PatchDeployment)]
     assert action.name == DEPLOYMENT
@@ -238,7 +255,7 @@ def wire(pub: Published, tp: int) -> Wired:
     (container,) = [c for c in pod["containers"] if c["name"] == CONTAINER]
     (init,) = pod["initContainers"]
     command, args = command_line(apply(current, action.patch))
-    return Wired(tp, action.patch, command + args, container["env"], init)
+    return Wired(tp, action.patch, command + args, container.get("env", []), init)
 
 
 @dataclass(kw_only=True)
@@ -266,10 +283,15 @@ def reference(reference_run, served_all) -> dict[int, dict]:
     return reference_run.results()
 
 
-def serve(pub: Published, tp: int, vllm_python: str, tmp: Path) -> Served:
-    wired = wire(pub, tp)
+def serve(pub: Published, tp: int, vllm_python: str, tmp: Path, entry: Path | None = None) -> Served:
+    """`entry`: serve with serving.nodeCache, from this directory (the node's entry) mounted at Ferry's mount
+    path, as the kubelet mounts the agent's entry."""
+    wired = wire(pub, tp, node_cache=entry is not None)
+    if entry is not None:
+        wired.argv = [str(entry) if a == MOUNT_PATH else a for a in wired.argv]
+        wired.init["args"] = [str(entry) if a == MOUNT_PATH else a for a in wired.init["args"]]
     resolved = kubelet_env(wired.env, pub.secrets, POD_NAME)
-    init_env = kubelet_env(wired.init["env"], pub.secrets, POD_NAME)
+    init_env = kubelet_env(wired.init.get("env", []), pub.secrets, POD_NAME)
     assert init_env.pop("FERRY_RESULT_FILE") == "/dev/termination-log"
     init_env["FERRY_RESULT_FILE"] = str(tmp / "termination-log")
     assert wired.init["command"] == ["ferry"]
@@ -305,6 +327,46 @@ def served_all(published: Published, vllm_python: str, tmp_path_factory: pytest.
                reference_run) -> dict[int, Served]:
     """One server per TP size, one after the other (2 cores), while the reference runs beside them."""
     return {tp: serve(published, tp, vllm_python, tmp_path_factory.mktemp(f"serve-tp{tp}")) for tp in sorted(FORMATS)}
+
+
+@dataclass
+class Filled:
+    entry: Path
+    fill: subprocess.CompletedProcess
+    s3_log: str  # what the S3 server logged during the fill
+
+
+@pytest.fixture(scope="module")
+def node_cache_entry(published: Published, tmp_path_factory: pytest.TempPathFactory) -> Filled:
+    """serving.nodeCache on the same spec: the operator's fill Job for a node, its `ferry cache fill-slot`
+    run with its env resolved as the kubelet resolves it, into a slot (the agent's part, verifying and
+    publishing, is proven in tests/worker/test_cache_s3_fill.py and on the real node)."""
+    mw = model_weights(published.s3, published.original, 1, node_cache=True)
+    artifact = Artifact(uri=published.facts.uri, format="runai_streamer", total_bytes=published.facts.total_bytes,
+                        manifest_digest=published.facts.manifest_digest)
+    job = fill_job_manifest(mw, mw.metadata.uid, "node-1", artifact, 0, WorkerSettings(image=LOADER.image))
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    root = tmp_path_factory.mktemp("node-cache")
+    entry = root / "entry"
+    entry.mkdir()
+    env = kubelet_env(container["env"], published.secrets, POD_NAME)
+    env["FERRY_RESULT_FILE"] = str(root / "termination-log")
+    args = [str(entry) if a == SLOT_MOUNT else a for a in container["args"]]
+    server_log = published.root / "s3" / "server.log"
+    log_from = server_log.stat().st_size
+    assert container["command"] == ["ferry"]
+    fill = subprocess.run([*FERRY, *args], env={**machine_env(), **env},
+                          capture_output=True, text=True, timeout=300)
+    assert fill.returncode == 0, f"ferry {args} exited {fill.returncode}:\n{fill.stdout}\n{fill.stderr}"
+    with open(server_log, "rb") as f:
+        f.seek(log_from)
+        return Filled(entry, fill, f.read().decode(errors="replace"))
+
+
+@pytest.fixture(scope="module")
+def served_from_node_cache(node_cache_entry: Filled, published: Published, vllm_python: str, served_all,
+                           tmp_path_factory: pytest.TempPathFactory) -> Served:
+    return serve(published, 1, vllm_python, tmp_path_factory.mktemp("serve-node-cache"), node_cache_entry.entry)
 
 
 def test_the_operators_steps_published_the_checkpoint_into_the_prefix(published: Published):
@@ -432,3 +494,32 @@ def test_served_greedy_tokens_equal_the_original_checkpoints(served_all: dict[in
     for prompt, want in zip(PROMPTS, ref):
         assert_reference_varies(prompt, want)
     assert got == ref, f"TP {tp}: served from S3 vs the original at TP {tp}:\nserved:   {got}\noriginal: {ref}"
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_a_node_cache_entry_filled_from_the_prefix_serves_the_same_tokens_with_no_s3(
+        node_cache_entry: Filled, served_from_node_cache: Served, published: Published, reference: dict):
+    """serving.nodeCache on the runai_streamer artifact: the fill read each weights object from the prefix
+    once, with the ModelWeights' credentials; vLLM's runai_streamer then streamed the node's entry from
+    local disk, with no S3 endpoint or credentials in its env and no request to the S3 server, and its
+    greedy tokens equal the original checkpoint's."""
+    prefix = published.facts.uri.split("/", 3)[3]
+    fill_gets = {name: sum(f"GET OBJECT Bucket: {BUCKET} Object: {prefix}/{name}" in line
+                           for line in node_cache_entry.s3_log.splitlines()) for name in WEIGHT_FILES}
+    assert all(n == 1 for n in fill_gets.values()), fill_gets
+    served = served_from_node_cache
+    assert not [k for k in served.env if k.startswith(STORE_ENV_PREFIXES)], served.env
+    out = (served.load.stdout + served.load.stderr).strip()
+    assert "verified (sha256)" in out and f"artifact {published.facts.manifest_digest}" in out, out
+    engine = next((line for _, _, line in served.lines if "Initializing a V1 LLM engine" in line), "")
+    assert "load_format=runai_streamer" in engine and f"model='{node_cache_entry.entry}'" in engine, engine
+    tensors = len(hf_tensor_shapes(CASE.config))
+    assert [line for _, _, line in served.lines if STREAMER_BAR in line and f"{tensors}/{tensors}" in line], \
+        served.log()
+    assert not [line for line in served.s3_log.splitlines() if "GET OBJECT" in line], served.s3_log
+    choices = sorted(served.completions["choices"], key=lambda c: c["index"])
+    got = [c["token_ids"] for c in choices]
+    assert served.completions["model"] == USER_MODEL
+    assert got == reference[1]["tokens"], f"from the node cache vs the original:\n{got}\n{reference[1]['tokens']}"
+    assert not served.leftovers, f"vLLM processes left after stopping it: {served.leftovers}"

@@ -399,7 +399,7 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
 
 def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft) -> CachePlan | Plan | None:
     """The node cache's fills and status.cache (serving.nodeCache); a stalled plan if it cannot be had."""
-    if not node_cache_on(mw.spec) or not facts.manifest_digest or not facts.uri.startswith("pvc://"):
+    if not node_cache_on(mw.spec) or not facts.manifest_digest or not facts.uri.startswith(("pvc://", "s3://")):
         draft.status.cache = None
         # Turned off: its fill Jobs go (the entries stay on the nodes until evicted).
         return CachePlan(actions=[RemoveFill(f.node, f.digest, f.round) for f in observed.fills or []])

@@ -318,15 +318,16 @@ def deployment_patch(
         served = served_model_name(spec, shape.model, ferry_set if ours else None)
     gated = loader_applies(spec, artifact, loader)
     mounted = volume_for(artifact.uri)
-    if mounted is not None and node_cache_on(spec) and artifact.manifest_digest:
-        mounted = node_cache_volume(artifact.manifest_digest)
+    if node_cache_on(spec) and artifact.manifest_digest and (mounted is not None or artifact.uri.startswith("s3://")):
+        mounted = node_cache_volume(artifact.manifest_digest)  # an S3 artifact too: the pods read no S3
+    # Where vLLM and the loader read it: a mount (the claim's, or the node cache's entry), else the store.
+    location = MOUNT_PATH if mounted is not None else model_location(artifact.uri)
     local = gated and mounted is not None and spec.serving.local_copy
-    served_from = LOCAL_PATH if local else model_location(artifact.uri)
+    served_from = LOCAL_PATH if local else location
     new_command, new_args = shape.wire(served_from, ferry_flags(spec, artifact.uri), served, ours)
     digest = artifact.manifest_digest or artifact.uri
     env = s3_env(spec) if mounted is None else []
-    init = loader_container(loader, model_location(artifact.uri), digest, [mounted[1]] if mounted else [], env) \
-        if gated else None
+    init = loader_container(loader, location, digest, [mounted[1]] if mounted else [], env) if gated else None
     if init is not None and local:
         init["args"] += ["--copy-to", LOCAL_PATH]
         init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
@@ -334,7 +335,8 @@ def deployment_patch(
     loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
                       and name in current.probed) if init else (have is None and GATE not in current.readiness_gates)
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
-    volume_current = mounted is None or (current.weights_volume == "csi") == ("csi" in mounted[0])
+    volume_current = (not current.weights_volume if mounted is None
+                      else (current.weights_volume == "csi") == ("csi" in mounted[0]))
     cached = artifact.manifest_digest if mounted is not None and "csi" in mounted[0] else None
     preferred = preferred_nodes(current.preferred_nodes, cached)
     if (new_command == command and new_args == args and ferry_set == served and loader_current and volume_current
@@ -356,8 +358,12 @@ def deployment_patch(
         if local:
             pod["volumes"].append(local_volume(artifact.total_bytes))
             c["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH, "readOnly": True})
-    elif env:
-        c["env"] = env
+    else:
+        if env:
+            c["env"] = env
+        if current.weights_volume:  # read from the store now (the node cache turned off): the volume goes
+            pod["volumes"] = [{"name": VOLUME_NAME, "$patch": "delete"}]
+            c["volumeMounts"] = [{"mountPath": MOUNT_PATH, "$patch": "delete"}]
     key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
     if key is not None and spec.format.type == FormatType.TENSORIZER.value:
         pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {

@@ -422,6 +422,51 @@ def node_labels(kube) -> dict[str, str]:
     return kube.get_json("node", localnode.NODE_NAME)["metadata"].get("labels") or {}
 
 
+def test_an_s3_artifact_fills_the_node_cache_from_its_prefix_once(node, chart_operator, node_s3, checkpoint):
+    """runai_streamer published to storage.s3 with serving.nodeCache: the fill Job reads the prefix with the
+    ModelWeights' own S3 credentials, the pods mount the node's entry (no S3 endpoint or credentials in
+    them), and two replicas cost the S3 server one GET of each weights object in all (its request log)."""
+    name = unique("s3cache")
+    clear_cache()
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    standin_deployment(node, name)
+    mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "runai_streamer", "vllmVersion": "0.32"},
+                      secret=f"{name}-s3")
+    mw["spec"]["storage"]["s3"] = {"uri": f"s3://{name}/artifacts", "endpoint": node_s3.endpoint,
+                                   "credentialsSecretRef": {"name": f"{name}-s3"}}
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {"enabled": True}}
+    node.apply(mw)
+    try:
+        artifact = wait_ready(node, NAMESPACE, name, timeout=420)["artifact"]
+        digest, uri = artifact["manifestDigest"], artifact["uri"]
+        assert uri.startswith(f"s3://{name}/artifacts/"), uri
+        job = fill_jobs(node, name)[0]
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--source") + 1] == uri.rstrip("/")
+        template = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["spec"]
+        (vllm,) = [c for c in template["containers"] if c["name"] == "vllm"]
+        line = vllm.get("command", []) + vllm["args"]
+        assert "/ferry/weights" in line and not any("s3://" in a for a in line), line
+        assert line[line.index("--load-format") + 1] == "runai_streamer"
+        assert not [e for e in vllm.get("env") or [] if e["name"].startswith("AWS_")]
+        node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=2")
+        wait_for(lambda: (mw_status(node, NAMESPACE, name).get("loaded") or {}).get("summary") == "2/2",
+                 "both replicas loaded from the node's entry", timeout=300)
+        log = agent_log(node, chart_operator["namespace"])
+        assert sum(f"fill slot of {cache_key(digest)}" in line for line in log.splitlines()) == 1, log
+        prefix = uri.removeprefix(f"s3://{name}/").rstrip("/")
+        gets = [line for line in (node_s3.root / "server.log").read_text().splitlines()
+                if "GET OBJECT" in line and f"Bucket: {name} Object: {prefix}/" in line
+                and line.endswith(".safetensors")]
+        weights = {line.rsplit("/", 1)[1] for line in gets}
+        assert weights and len(gets) == len(weights), gets  # each weights object read once: by the one fill
+    finally:  # its pods mount a node cache entry: they must go while the agent runs
+        node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
+        node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
+                     timeout=120)
+
+
 def fill_jobs(kube, name: str) -> list[dict]:
     return [j for j in kube.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name}")["items"]
             if j["metadata"]["labels"].get("ferry.dev/step") == "cache-fill"]

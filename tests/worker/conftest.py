@@ -33,6 +33,15 @@ def s3_memory_server(tmp_path_factory: pytest.TempPathFactory) -> S3Server:
 
 
 @pytest.fixture
+def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """In-process ferry commands find the server the way a Job does: through the AWS environment."""
+    env = s3_server.env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
 def bucket(s3_server: S3Server) -> str:
     name = f"ferry-{uuid.uuid4().hex[:12]}"
     s3_server.client().create_bucket(Bucket=name)

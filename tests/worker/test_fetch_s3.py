@@ -26,15 +26,6 @@ from ferry_worker.sources.s3 import S3Source, s3_client
 MiB = 1 << 20
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """In-process fetches find the server the way a Job does: through the AWS environment."""
-    env = s3_server.env()
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return env
-
-
 def test_cli_fetch_with_parallel_ranged_parts(s3_server, s3_env, bucket: str, tmp_path: Path) -> None:
     repo = llama3_like()
     upload_tree(s3_server.client(), bucket, "models/llama-3", repo)

@@ -502,11 +502,14 @@ def _has_s3(s: "ModelWeightsSpec") -> bool:
 SPEC_RULES = [
     Rule(
         "!(has(self.serving) && has(self.serving.nodeCache) && self.serving.nodeCache.enabled)"
-        " || self.format.type in ['safetensors', 'sharded_state']",
-        "the node cache is filled from the artifact's claim: format.type must be safetensors or sharded_state "
-        "(artifacts in S3 are streamed, not cached on nodes yet)",
+        " || self.format.type in ['safetensors', 'sharded_state']"
+        " || (self.format.type == 'runai_streamer' && has(self.storage) && has(self.storage.s3))",
+        "the node cache is filled from the artifact Ferry prepared, on its claim or in its storage.s3 prefix: "
+        "format.type must be safetensors or sharded_state, or runai_streamer with storage.s3 (runai_streamer "
+        "streaming straight from the source bucket has no prepared artifact; tensorizer is not cached on nodes)",
         lambda s: not _node_cache(s) or s.format.type in (FormatType.SAFETENSORS.value,
-                                                           FormatType.SHARDED_STATE.value),
+                                                           FormatType.SHARDED_STATE.value)
+        or (s.format.type == FormatType.RUNAI_STREAMER.value and _has_s3(s)),
         ".serving.nodeCache",
     ),
     Rule(

@@ -2,8 +2,10 @@
 
 One Job per node and manifest digest, pinned to the node (nodeName), in the
 ModelWeights' namespace under the worker's ServiceAccount: it reads the
-artifact's claim with the worker's rights, never the agent's, and copies it
-into the slot the node's agent mounts (`ferry cache fill-slot`). The agent
+artifact with the worker's rights, never the agent's (the claim, mounted
+read-only; or the storage.s3 prefix, with the ModelWeights' S3 credentials
+from its Secret, as the serving pods would stream it), and copies it into
+the slot the node's agent mounts (`ferry cache fill-slot`). The agent
 trusts none of it: it verifies every byte again before it publishes the
 entry. On a node that already holds the entry, the agent mounts the entry
 itself and the Job ends at once, so a fill Job run once too often costs
@@ -20,7 +22,7 @@ from typing import Any
 
 from ..api.types import Artifact, ModelWeights
 from ..locations import dns_name, identity
-from ..serving import CACHE_DRIVER
+from ..serving import CACHE_DRIVER, s3_env
 from .jobs import (LABEL_MW, LABEL_STEP, RESULT_FILE, SOURCE_MOUNT, WORKER_CONTAINER, WorkerSettings,
                    _container_security, _pod_spec, owner_reference, pod_failure_policy, prepare_deadline)
 
@@ -40,22 +42,27 @@ def fill_job_name(mw: ModelWeights, node: str, digest: str, round_: int) -> str:
 
 def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact, round_: int,
                       settings: WorkerSettings) -> dict[str, Any]:
-    if not (artifact.uri.startswith("pvc://") and artifact.manifest_digest):
-        raise ValueError(f"the node cache fills from a claim's artifact with a manifest, not {artifact.uri}")
-    claim, _, path = artifact.uri.removeprefix("pvc://").partition("/")
+    if not (artifact.uri.startswith(("pvc://", "s3://")) and artifact.manifest_digest):
+        raise ValueError(f"the node cache fills from an artifact with a manifest on a claim or in S3, "
+                         f"not {artifact.uri}")
     digest = artifact.manifest_digest
-    volumes = [
-        {"name": "source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
-        {"name": "cache-slot", "csi": {"driver": CACHE_DRIVER, "volumeAttributes": {
-            "digest": digest, "mode": "fill", "bytes": str(artifact.total_bytes)}}},
-    ]
+    volumes = [{"name": "cache-slot", "csi": {"driver": CACHE_DRIVER, "volumeAttributes": {
+        "digest": digest, "mode": "fill", "bytes": str(artifact.total_bytes)}}}]
+    mounts = [{"name": "cache-slot", "mountPath": SLOT_MOUNT}]
+    env = [{"name": "FERRY_RESULT_FILE", "value": RESULT_FILE}]
+    if artifact.uri.startswith("pvc://"):
+        claim, _, path = artifact.uri.removeprefix("pvc://").partition("/")
+        source = f"{SOURCE_MOUNT}/{path}".rstrip("/")
+        volumes.append({"name": "source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
+    else:
+        source = artifact.uri.rstrip("/")
+        env += s3_env(mw.spec)
     container = {
         "name": WORKER_CONTAINER, "image": settings.image, "command": ["ferry"],
-        "args": ["cache", "fill-slot", "--slot", SLOT_MOUNT, "--source", f"{SOURCE_MOUNT}/{path}".rstrip("/"),
-                 "--digest", digest],
-        "volumeMounts": [{"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True},
-                         {"name": "cache-slot", "mountPath": SLOT_MOUNT}],
-        "env": [{"name": "FERRY_RESULT_FILE", "value": RESULT_FILE}],
+        "args": ["cache", "fill-slot", "--slot", SLOT_MOUNT, "--source", source, "--digest", digest],
+        "volumeMounts": mounts,
+        "env": env,
         "resources": settings.resources,
         "terminationMessagePath": RESULT_FILE,
         "terminationMessagePolicy": "FallbackToLogsOnError",

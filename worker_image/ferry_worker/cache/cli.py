@@ -31,8 +31,10 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
     fill_slot = actions.add_parser("fill-slot", help="(in a fill pod) copy an artifact into the slot the "
                                                       "node agent mounted; the agent verifies and publishes it")
     fill_slot.add_argument("--slot", type=Path, required=True, help="where the slot is mounted")
+    fill.add_argument("--source", type=Path, required=True, help="the artifact directory (a claim's)")
+    fill_slot.add_argument("--source", required=True, metavar="DIR|s3://bucket/prefix",
+                           help="the artifact: a directory (a claim's) or an S3 prefix Ferry published")
     for action in (fill, fill_slot):
-        action.add_argument("--source", type=Path, required=True, help="the artifact directory (a claim's)")
         action.add_argument("--digest", required=True, metavar="sha256:HEX", help="its manifest digest")
         action.add_argument("--ranks", type=_ranks, metavar="N,N,...", help="only these ranks' files")
     for name, what in (("check", "verify every byte of an entry; a corrupt one is removed"),

@@ -1,7 +1,8 @@
 """`ferry cache fill-slot`: what a fill pod runs. The node agent mounted the
 entry's slot (its staging directory) into the pod; the pod reads the artifact
-with its own rights (the user's claim, mounted read-only) and copies into the
-slot, each file verified as it is written. The pod is trusted with nothing:
+with its own rights (the user's claim, mounted read-only, or the S3 prefix
+with the ModelWeights' credentials: s3_source.py) and copies into the slot,
+each file verified as it is written. The pod is trusted with nothing:
 once it ends, the agent takes the slot over and verifies every byte again
 before it publishes the entry (store.adopt)."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ..load.selection import select
 from ..manifest import MANIFEST_NAME, Manifest
+from .s3_source import download_into, open_source, s3_manifest_bytes
 from .store import is_digest, source_manifest_bytes, copy_into, keep_verified
 
 log = logging.getLogger(__name__)
@@ -20,16 +22,23 @@ log = logging.getLogger(__name__)
 ALREADY_COMPLETE = "cache entry already complete"
 
 
-def fill_slot(slot: Path, source: Path, digest: str, ranks: list[int] | None) -> str:
-    """Fill `slot` from `source`; resumes what a killed fill left. Returns a line saying what it did."""
+def fill_slot(slot: Path, source: str | Path, digest: str, ranks: list[int] | None) -> str:
+    """Fill `slot` from `source` (a directory or s3://bucket/prefix); resumes what a killed fill left.
+    Returns a line saying what it did."""
     done = slot / MANIFEST_NAME
     if not os.access(slot, os.W_OK) and done.is_file() and is_digest(done.read_bytes(), digest):
         return ALREADY_COMPLETE  # the agent mounted the published entry itself (read-only): nothing to fill
-    manifest_bytes = source_manifest_bytes(source, digest)
+    source = str(source)
+    store = open_source(source) if source.startswith("s3://") else None
+    manifest_bytes = (s3_manifest_bytes(store, digest) if store is not None
+                      else source_manifest_bytes(Path(source), digest))
     wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
     kept = keep_verified(slot, wanted, digest)
     missing = [e for e in wanted if e.path not in kept]
-    log.info("filling %d of %d files (%d bytes) into the cache slot; %d kept from an earlier fill",
-             len(missing), len(wanted), sum(e.size for e in missing), len(kept))
-    copy_into(slot, source, manifest_bytes, missing)
+    log.info("filling %d of %d files (%d bytes) from %s into the cache slot; %d kept from an earlier fill",
+             len(missing), len(wanted), sum(e.size for e in missing), source, len(kept))
+    if store is not None:
+        download_into(slot, store, manifest_bytes, missing)
+    else:
+        copy_into(slot, Path(source), manifest_bytes, missing)
     return f"{slot}: filled {len(missing)} files, {sum(e.size for e in missing)} bytes"

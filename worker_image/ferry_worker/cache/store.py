@@ -193,7 +193,7 @@ class CacheStore:
                     os.replace(staging / MANIFEST_NAME, staging / PENDING_MANIFEST)  # pending name again
                 raise CacheError(f"the fill of {key} is unfinished: {len(missing)} files missing or corrupt "
                                  f"(first: {missing[0]}); the verified ones are kept for the next fill")
-            _install_manifest(staging, manifest_bytes)
+            install_manifest(staging, manifest_bytes)
             return self._publish(key, staging, sum(e.size for e in wanted))
 
     def _drop_slot(self, key: str) -> None:
@@ -477,7 +477,7 @@ def copy_into(staging: Path, source: Path, manifest_bytes: bytes, entries, on_by
     with atomic_file(staging / PENDING_MANIFEST) as f:
         f.write(manifest_bytes)
     read_files(source, entries, ReadOptions(), on_bytes, copy_to=staging, on_file=after_file)
-    _install_manifest(staging, manifest_bytes)
+    install_manifest(staging, manifest_bytes)
 
 
 def keep_verified(staging: Path, wanted, digest: str) -> set[str]:
@@ -537,7 +537,7 @@ def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:
     return None
 
 
-def _install_manifest(staging: Path, manifest_bytes: bytes) -> None:
+def install_manifest(staging: Path, manifest_bytes: bytes) -> None:
     with atomic_file(staging / MANIFEST_NAME) as f:
         f.write(manifest_bytes)
     with contextlib.suppress(FileNotFoundError):
