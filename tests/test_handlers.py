@@ -101,3 +101,19 @@ def test_other_api_errors_are_left_to_the_reconcilers_backoff(executor):
     body["metadata"].update(namespace="ml", uid="uid-1", generation=1)
     with pytest.raises(ApiException):
         reconcile(body)
+
+
+def test_an_event_about_a_serving_pod_is_posted_on_that_pod_with_its_uid(monkeypatch):
+    from ferry_operator.api.types import ModelWeightsStatus
+    from ferry_operator.events import Event
+
+    posted = []
+    monkeypatch.setattr(handlers.kopf, "event", lambda body, **e: posted.append((body, e["reason"])))
+    body = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+            "metadata": {"name": "llama", "namespace": "ml", "uid": "uid-1"}}
+    handlers._report(body, "uid-1", None, [Event("Warning", "NodeCacheCorrupt", "corrupt", pod="llama-7d-x"),
+                                           Event("Warning", "NodeCacheEvicted", "gone")],
+                     ModelWeightsStatus(), pod_uids={"llama-7d-x": "uid-pod"})
+    # `kubectl describe pod` finds Events by the pod's uid too.
+    assert posted == [({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "llama-7d-x", "namespace": "ml", "uid": "uid-pod"}}, "NodeCacheCorrupt"), (body, "NodeCacheEvicted")]

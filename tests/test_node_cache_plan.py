@@ -276,6 +276,19 @@ def test_a_node_that_lets_the_artifact_go_is_an_eviction_with_its_reason_and_an_
     again = plan(m, observed(m, wired(m), nodes=gone), loader=LOADER).status
     assert again.cache.evictions == after.cache.evictions
     assert [e for e in transitions(after, again, []) if e.reason == "NodeCacheEvicted"] == []
+    # Found corrupt under this object's pods there: they are named, and each gets an Event of its own.
+    running = [replace(waiting_pod("gpu-c"), name="p-1", awaiting_volumes=False),
+               replace(waiting_pod("gpu-c"), name="p-2", awaiting_volumes=False),
+               replace(waiting_pod("gpu-a"), name="p-3", awaiting_volumes=False)]
+    corrupt = {**gone, "gpu-c": {CACHE_AGENT_LABEL: "true", cache_evicted_label(DIGEST): "corrupt.1796198520"}}
+    m = m.model_copy(update={"status": again})
+    last = plan(m, observed(m, wired(m), pods=running, nodes=corrupt), loader=LOADER).status
+    assert (last.cache.evictions[-1].node, last.cache.evictions[-1].pods) == ("gpu-c", ["p-1", "p-2"])
+    posted = [(e.reason, e.pod, e.message) for e in transitions(again, last, []) if e.reason.startswith("NodeCache")]
+    assert [p[:2] for p in posted] == [("NodeCacheEvicted", None), ("NodeCacheCorrupt", "p-1"),
+                                       ("NodeCacheCorrupt", "p-2")]
+    assert "kubectl delete pod p-1 p-2" in posted[0][2] and "0 nodes still hold it" in posted[0][2]
+    assert "delete the pod to mount a refilled entry" in posted[1][2]
     # A node whose agent remembers no reason, and a node that went away entirely (not an eviction).
     m = m.model_copy(update={"status": before})
     p = plan(m, observed(m, wired(m), nodes={"gpu-a": {CACHE_AGENT_LABEL: "true"}, "gpu-c": holds}), loader=LOADER)

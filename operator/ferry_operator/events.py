@@ -3,7 +3,9 @@
 An Event marks a transition (`kubectl describe mw` tells the story): a step
 started, a step or the artifact finished, a Deployment was patched, the object
 stalled or became Ready. Derived from the status before and after a reconcile
-and from the actions taken, so a steady state posts nothing.
+and from the actions taken, so a steady state posts nothing. They go on the
+ModelWeights, except one for each serving pod whose node cache entry was
+found corrupt under it, which goes on that pod.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class Event:
     type: str
     reason: str
     message: str
+    pod: str | None = None  # posted on this serving pod (of the ModelWeights' namespace) instead
 
 
 def _turned(before: ModelWeightsStatus | None, after: ModelWeightsStatus, kind: ConditionType, value: str) -> bool:
@@ -64,10 +67,20 @@ def _cache_evictions(before: ModelWeightsStatus | None, after: ModelWeightsStatu
     seen = before.cache.evictions if before and before.cache and before.cache.digest == after.cache.digest else []
     out = []
     for e in after.cache.evictions:
-        if e not in seen:
-            kind, words = EVICTION_WORDS.get(e.reason, EVICTION_WORDS["unknown"])
-            out.append(Event(kind, "NodeCacheEvicted", f"the node cache on {e.node} no longer holds the artifact: "
-                                                       f"{words}; {after.cache.warm_nodes} nodes still hold it"))
+        if e in seen:
+            continue
+        kind, words = EVICTION_WORDS.get(e.reason, EVICTION_WORDS["unknown"])
+        if e.pods:
+            words += (f"; pods {', '.join(e.pods)} there still have it mounted: what they loaded was verified, "
+                      f"but a restarted container would read the damaged files: delete them (kubectl delete pod "
+                      f"{' '.join(e.pods)}) to mount a refilled entry")
+        out.append(Event(kind, "NodeCacheEvicted", f"the node cache on {e.node} no longer holds the artifact: "
+                                                   f"{words}; {after.cache.warm_nodes} nodes still hold it"))
+        out += [Event(WARNING, "NodeCacheCorrupt", f"the node cache entry this pod has mounted on {e.node} is "
+                                                   f"corrupt (found by its node agent): what it loaded was "
+                                                   f"verified, but a restarted container would read the damaged "
+                                                   f"files: delete the pod to mount a refilled entry", pod=pod)
+                for pod in e.pods]
     return out
 
 

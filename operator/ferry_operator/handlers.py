@@ -449,15 +449,19 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
         log.warning("%s/%s: %s", namespace, name, exc)
         status, delay = blocked(mw.status, mw.metadata.generation or 0, "AdmissionPolicyMissing", str(exc)), \
             RECONCILE_INTERVAL
-    _report(body, uid, mw, transitions(mw.status, status, actions), status, steps)
+    pods = {p.name: p.uid for p in (pod_index.get((namespace, name), []) if pod_index is not None else [])}
+    _report(body, uid, mw, transitions(mw.status, status, actions), status, steps, pods)
     return result, _status_patch(raw_status, status), delay
 
 
 def _report(body: dict[str, Any], uid: str, mw: ModelWeights | None, events: list[Event], status: ModelWeightsStatus,
-            steps: list[Step] = ()) -> None:
-    """Core Events on the ModelWeights (kopf posts them in the background), and metrics."""
+            steps: list[Step] = (), pod_uids: dict[str, str] | None = None) -> None:
+    """Core Events on the ModelWeights, or on one of its serving pods (kopf posts them in the background),
+    and metrics."""
     for e in events:
-        kopf.event(body, type=e.type, reason=e.reason, message=e.message[:1024])
+        target = body if e.pod is None else {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": e.pod, "namespace": body["metadata"]["namespace"], "uid": (pod_uids or {}).get(e.pod)}}
+        kopf.event(target, type=e.type, reason=e.reason, message=e.message[:1024])
         if e.type == WARNING and e.reason != "StepRetrying":
             metrics.ERRORS.labels(e.reason).inc()
         if e.reason == "ArtifactReady" and steps and mw is not None:

@@ -102,7 +102,7 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
     summary = f"{len(warm)}" + (f" (+{len(filling)})" if filling else "")
     out.status = NodeCacheStatus(digest=digest, warm_nodes=len(warm), filling_nodes=len(filling),
                                  nodes=warm[:64], summary=summary,
-                                 evictions=_evictions(digest, labelled, warm, previous, at))
+                                 evictions=_evictions(digest, labelled, warm, previous, pods, at))
     out.hold = _prewarm_hold(spec, prewarm_nodes, warm, latest)
     return out
 
@@ -126,16 +126,20 @@ def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime],
 
 
 def _evictions(digest: str, labelled: dict[str, dict[str, str]], warm: list[str],
-               previous: NodeCacheStatus | None, at: datetime) -> list[NodeCacheEviction]:
-    """The evictions so far, and the nodes of the previous status whose agent now says the entry is gone."""
+               previous: NodeCacheStatus | None, pods: list[PodFacts], at: datetime) -> list[NodeCacheEviction]:
+    """The evictions so far, and the nodes of the previous status whose agent now says the entry is gone;
+    for a corrupt one, this object's pods there (they may still have it mounted: the agent removes it as
+    they go)."""
     if previous is None or previous.digest != digest:
         return []
     out = list(previous.evictions)
     for node in previous.nodes:
         if node in labelled and node not in warm:
             why, _, when = labelled[node].get(cache_evicted_label(digest), "").partition(".")
+            there = sorted(p.name for p in pods if p.node == node and p.digest == digest and not p.terminating
+                           and not p.awaiting_volumes) if why == "corrupt" else []
             out.append(NodeCacheEviction(node=node, reason=why if why in REASONS else "unknown",
-                                         at=_unix(when) or at))
+                                         at=_unix(when) or at, pods=there[:8]))
     return out[-KEEP_EVICTIONS:]
 
 

@@ -36,6 +36,7 @@ class PodFacts:
     node: str = ""  # where it was scheduled ("" while it is not)
     awaiting_volumes: bool = False  # scheduled, and no container started: the kubelet is still mounting
     created: datetime | None = None
+    uid: str = ""
 
 
 def _time(text: str | None) -> datetime | None:
@@ -57,7 +58,7 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
             seconds = max(0.0, (end - start).total_seconds())
         waiting = (state.get("waiting") or {}).get("reason", "")
     return PodFacts(
-        name=meta.get("name", ""), owner=annotations.get(OWNER_ANNOTATION, ""),
+        name=meta.get("name", ""), uid=meta.get("uid", ""), owner=annotations.get(OWNER_ANNOTATION, ""),
         digest=annotations.get(DIGEST_ANNOTATION, ""),
         gate=gate.get("status") if gate else None, reason=(gate or {}).get("reason", ""),
         message=(gate or {}).get("message", ""), load_seconds=seconds,

@@ -461,6 +461,35 @@ def test_an_s3_artifact_fills_the_node_cache_from_its_prefix_once(node, chart_op
                 and line.endswith(".safetensors")]
         weights = {line.rsplit("/", 1)[1] for line in gets}
         assert weights and len(gets) == len(weights), gets  # each weights object read once: by the one fill
+
+        # A byte of the entry flipped under the running pods, found by an admin's `ferry cache check` in the
+        # agent's pod (the scrub does the same on its schedule): the ModelWeights and each pod are told,
+        # and the entry goes as its pods do.
+        victim = sorted((cache_dir() / "entries" / cache_key(digest)).rglob("*.safetensors"))[0]
+        victim.chmod(0o644)
+        with open(victim, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0x01]))
+        agent = agent_pod(node, chart_operator["namespace"])
+        (container,) = agent["spec"]["containers"]
+        store_command = container["command"][:container["command"].index("agent")]
+        checked = node.kubectl("exec", agent["metadata"]["name"], "-n", chart_operator["namespace"], "--",
+                               *store_command, "check", "--digest", digest, check=False)
+        assert checked.returncode != 0 and victim.name in checked.stdout + checked.stderr, checked
+        running = sorted(p["metadata"]["name"] for p in pods_of(node, name))
+        evictions = wait_for(lambda: (mw_status(node, NAMESPACE, name).get("cache") or {}).get("evictions"),
+                             "the corrupt entry in status.cache.evictions", timeout=150)
+        assert [(e["node"], e["reason"], sorted(e["pods"])) for e in evictions] == [
+            (localnode.NODE_NAME, "corrupt", running)], evictions
+        for pod in running:
+            said = wait_for(lambda: [e["message"] for e in node.get_json(
+                "events", "-n", NAMESPACE, "--field-selector",
+                f"involvedObject.name={pod},reason=NodeCacheCorrupt")["items"]], f"the event on {pod}")
+            assert "delete the pod to mount a refilled entry" in said[0], said
+        node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=0")
+        wait_for(lambda: not published(cache_key(digest)), "the corrupt entry removed as its pods went",
+                 timeout=120)
     finally:  # its pods mount a node cache entry: they must go while the agent runs
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,

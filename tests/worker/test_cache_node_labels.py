@@ -103,18 +103,8 @@ def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
 
 
 def test_a_removal_is_said_until_it_is_old_or_the_entry_is_back(tmp_path, cache_artifacts):
-    now = [1_000_000.0]
-    store = CacheStore(tmp_path / "cache", BIG, clock=lambda: now[0])
-    a0 = cache_artifacts["a0"]
-    digest = manifest_digest(a0)
-    store.fill(a0, digest)
-    victim = sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[0]
-    victim.chmod(0o644)
-    with open(victim, "r+b") as f:
-        f.seek(-1, 2)
-        last = f.read(1)
-        f.seek(-1, 2)
-        f.write(bytes([last[0] ^ 0xFF]))
+    store, a0, digest, now = filled_at_a_million(tmp_path, cache_artifacts["a0"])
+    victim = flip_a_byte(sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[0])
     with pytest.raises(IntegrityError, match=victim.name):
         store.mount_entry(cache_key(digest), "pod-1")
     assert wanted_labels(store)[evicted_label_for(digest)] == f"{CORRUPT}.1000000"
@@ -154,6 +144,26 @@ def test_a_refusal_that_is_not_the_policys_is_not_taken_for_it(tmp_path):
         labeler.policy_enforced()
 
 
+def filled_at_a_million(tmp_path, artifact):
+    """(a store whose clock reads 1e6 until the test moves `now`, the artifact, its digest, now) with the
+    artifact filled."""
+    now = [1_000_000.0]
+    store = CacheStore(tmp_path / "cache", BIG, clock=lambda: now[0])
+    digest = manifest_digest(artifact)
+    store.fill(artifact, digest)
+    return store, artifact, digest, now
+
+
+def flip_a_byte(path):
+    """Damage a published (read-only) file in place, keeping its size; returns it."""
+    path.chmod(0o644)
+    with open(path, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    return path
+
+
 def _until(condition, timeout: float = 10.0) -> None:
     import time
     deadline = time.monotonic() + timeout
@@ -161,3 +171,17 @@ def _until(condition, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("timed out")
         time.sleep(0.02)
+
+
+def test_an_entry_found_corrupt_under_its_pods_is_labelled_gone_while_they_still_hold_it(tmp_path, cache_artifacts):
+    store, a0, digest, now = filled_at_a_million(tmp_path, cache_artifacts["a0"])
+    store.mount_entry(cache_key(digest), "pod-1")
+    victim = flip_a_byte(sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[-1])
+    with pytest.raises(IntegrityError, match=victim.name):
+        store.check(cache_key(digest))  # an admin's `ferry cache check`, or the scrub
+    # Not held any more as far as the node's labels say (no preference, not counted), and why.
+    assert wanted_labels(store) == {AGENT_LABEL: "true", evicted_label_for(digest): "corrupt.1000000"}
+    now[0] += 30
+    store.release(cache_key(digest), "pod-1")  # its pod gone: the entry goes
+    assert store.entry(cache_key(digest)) is None
+    assert wanted_labels(store) == {AGENT_LABEL: "true", evicted_label_for(digest): "corrupt.1000030"}

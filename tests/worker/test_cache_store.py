@@ -241,17 +241,24 @@ def test_a_scrub_rereads_entries_not_verified_lately_and_removes_the_corrupt(tmp
     reads.clear()
     assert store.scrub(every=7200) == [] and reads == []  # a1 was stamped by this pass
 
-    # Mounted: it stays for its pods, but the next mount reads it all (the stamp is gone) and refuses it.
+    # Mounted: it stays for its pod, marked corrupt; a new mount reads it all and refuses it; it goes as
+    # its last pod lets go, and a scrub does not read it again meanwhile.
     store.fill(a0, digest(a0))
     assert store.mount_entry(k0, "pod-a")[1] is False
     flip_last_byte(store.entry(k0) / "model-rank-1-part-0.safetensors")
     clock[0] += 7201
     (problem,) = store.scrub(every=7200)
     assert "model-rank-1-part-0.safetensors" in problem and store.entry(k0) is not None
-    store.release(k0, "pod-a")
+    assert store.corrupt() == {k0: clock[0]} and store.removals() == {}
     with pytest.raises(IntegrityError, match="model-rank-1-part-0.safetensors"):
         store.mount_entry(k0, "pod-b")
-    assert store.entry(k0) is None
+    assert store.holders(k0) == ["pod-a"]
+    clock[0] += 7201
+    reads.clear()
+    assert store.scrub(every=7200) == [] and len(reads) == 1  # a1 only
+    store.release(k0, "pod-a")
+    assert store.entry(k0) is None and store.corrupt() == {}
+    assert store.removals()[k0][0] == "corrupt"
 
 
 def test_the_agents_scrubber_runs_until_stopped(tmp_path, artifacts):

@@ -701,6 +701,10 @@ class NodeCacheEviction(Model):
                                                    "file that does not match the manifest), removed (by an "
                                                    "admin), or unknown.")
     at: datetime | None = Field(None, description="When its node agent removed the entry.")
+    pods: list[Annotated[str, Field(max_length=253, description="A pod's name.")]] = Field(
+        default_factory=list, max_length=8,
+        description="This object's serving pods on that node that still had a corrupt entry mounted: what "
+                    "they loaded was verified, but a restarted container would read the damaged files.")
 
 
 class NodeCacheStatus(Model):

@@ -25,7 +25,7 @@ import logging
 import threading
 from typing import Any
 
-from .store import CacheStore
+from .store import CORRUPT, CacheStore
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,13 @@ def _hash(digest: str) -> str:
 
 def wanted_labels(store: CacheStore) -> dict[str, str]:
     """The agent's label, one per complete whole-artifact entry (entries of some ranks only serve no
-    wired pod), and one per recent removal with its reason and time."""
-    held = [key for key in store.keys() if "." not in key]
+    wired pod), and one per recent removal, or entry found corrupt under its pods, with why and when."""
+    corrupt = store.corrupt()
+    held = [key for key in store.keys() if "." not in key and key not in corrupt]
     wanted = {AGENT_LABEL: "true"} | {label_for(key): "true" for key in held}
-    for key, (why, at) in store.removals().items():
+    gone = {key: (why, at) for key, (why, at) in store.removals().items()}
+    gone |= {key: (CORRUPT, at) for key, at in corrupt.items()}  # still mounted by its pods, held no longer
+    for key, (why, at) in gone.items():
         if "." not in key:
             wanted[evicted_label_for(key)] = f"{why}.{int(at)}"
     return wanted

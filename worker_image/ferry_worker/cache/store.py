@@ -245,11 +245,7 @@ class CacheStore:
         try:
             self.check(key)
         except IntegrityError:
-            self.release(key, holder)
-            with self._lock(key):
-                if not self.holders(key):
-                    log.warning("removed corrupt entry %s: the next fill fetches it again", key)
-                    self._remove(key, CORRUPT)
+            self.release(key, holder)  # the last holder gone: a corrupt entry is removed
             raise
         except BaseException:
             self.release(key, holder)
@@ -260,6 +256,14 @@ class CacheStore:
         verified = self._meta(key).get("verified") or {}
         return (self.reverify_after > 0 and verified.get("at", float("-inf")) >= self.clock() - self.reverify_after
                 and verified.get("files") == _fingerprint(self.root / "entries" / key)[0])
+
+    def _mark_corrupt(self, key: str) -> None:
+        meta = self._meta(key)
+        if meta:
+            meta.pop("verified", None)  # every later mount reads it all, and refuses it
+            meta.setdefault("corrupt", self.clock())
+            _write_json(self.root / "meta" / f"{key}.json", meta)
+            self.on_change()
 
     def _stamp_verified(self, key: str, files: str | None, at: float) -> None:
         """Record that the entry, as `files` fingerprinted it, was verified at `at` (None: forget any stamp)."""
@@ -273,8 +277,20 @@ class CacheStore:
         _write_json(self.root / "meta" / f"{key}.json", meta)
 
     def release(self, key: str, holder: str) -> None:
+        """`holder` no longer has the entry mounted. An entry found corrupt while pods had it mounted is
+        removed as its last holder goes (the next fill fetches it again)."""
         with contextlib.suppress(FileNotFoundError):
             (self.root / "holders" / key / _safe(holder)).unlink()
+        if self._meta(key).get("corrupt") is not None:
+            with self._lock(key):
+                if self.entry(key) is not None and not self.holders(key):
+                    log.warning("removed corrupt entry %s as its last pod let go: the next fill fetches it "
+                                "again", key)
+                    self._remove(key, CORRUPT)
+
+    def corrupt(self) -> dict[str, float]:
+        """Entries found corrupt while pods have them mounted (removed once they let go): key -> when."""
+        return {k: float(at) for k in self.keys() if (at := self._meta(k).get("corrupt")) is not None}
 
     def holders(self, key: str) -> list[str]:
         held = self.root / "holders" / key
@@ -292,8 +308,9 @@ class CacheStore:
             _write_json(self.root / "meta" / f"{key}.json", {**meta, "lastUsed": self.clock()})
 
     def check(self, key: str) -> None:
-        """Every byte of the entry against its manifest, before a mount: a corrupt entry is removed (the
-        next fill fetches it again) and the error names the file."""
+        """Every byte of the entry against its manifest, before a mount: the error names the file. A corrupt
+        entry is removed (the next fill fetches it again); one that pods have mounted is marked corrupt
+        (no longer mounted, counted or labelled as held) and removed as its last pod lets go."""
         path = self.entry(key)
         if path is None:
             raise CacheError(f"no complete cache entry {key}")
@@ -311,20 +328,22 @@ class CacheStore:
         except IntegrityError:
             if not self.holders(key):
                 self._remove(key, CORRUPT)
+            else:
+                self._mark_corrupt(key)
             raise
         self._stamp_verified(key, files if settled else None, started)
 
     def scrub(self, every: float) -> list[str]:
         """Verify every byte of each entry not verified within `every` seconds (bit rot that no write shows,
-        which a mount inside the reverify window would not see). A corrupt entry no pod has mounted is
-        removed; one a pod has mounted loses its verification stamp, so the next mount reads it all and
-        removes it once its pods let go. One entry at a time, and none a mount or eviction holds the lock
-        of. Returns the corrupt entries' errors."""
+        which a mount inside the reverify window would not see); a corrupt one is removed or marked (check).
+        One entry at a time, and none a mount or eviction holds the lock of. Returns the corrupt entries'
+        errors."""
         problems = []
         for key in self.keys():
-            verified = (self._meta(key).get("verified") or {}).get("at", float("-inf"))
-            if verified > self.clock() - every:
-                continue
+            meta = self._meta(key)
+            if meta.get("corrupt") is not None or (meta.get("verified") or {}).get("at", float("-inf")) > \
+                    self.clock() - every:
+                continue  # known corrupt (going as its pods let go), or verified lately
             with self._try_lock(key) as locked:
                 if not locked or self.entry(key) is None:
                     continue
@@ -332,10 +351,8 @@ class CacheStore:
                     self.check(key)
                 except IntegrityError as exc:
                     held = self.holders(key)
-                    if held:
-                        self._stamp_verified(key, None, 0.0)
                     log.error("scrub: entry %s is corrupt (%s); %s", key, exc,
-                              f"mounted by {', '.join(held)}: the next mount re-reads it" if held else "removed")
+                              f"mounted by {', '.join(held)}: removed as they let go" if held else "removed")
                     problems.append(f"{key}: {exc}")
         return problems
 
