@@ -1,6 +1,6 @@
 """Benchmark filling the node cache against `cp -r` + `sync` of the same bytes, in one run.
 
-    .venv/bin/python bench/cache_bench.py [--workdir DIR] [--layers 5] [--tp 2] [--runs 3]
+    .venv/bin/python bench/cache_bench.py [--workdir DIR] [--layers 5] [--tp 2] [--runs 3] [--source s3]
 
 Generates a Llama-3-8B-shaped checkpoint (bench/shard_bench.py's; `--layers 5`
 gives 4.28 GB), shards it with `ferry shard --tensor-parallel-size TP` (the
@@ -15,7 +15,17 @@ cache when the kernel lets us drop it:
   `ferry cache fill-slot` copying into it, then the agent taking the slot
   over and verifying every byte again before it publishes (store.adopt).
 
-Reports medians and the ratios (cp + sync) / path. Everything it writes is
+With `--source s3` the artifact is published (`ferry publish`) to the local
+S3 server process (gofakes3 on loopback, its objects on this disk) and the
+paths are:
+
+- a plain download of every object with boto3's managed transfer (the same
+  TransferConfig the fill uses), then `sync`: the baseline;
+- the fill-pod path from S3: `ferry cache fill-slot --source s3://...` (each
+  ETag checked, each object downloaded, then read back against the
+  manifest) into a slot, then the agent's adoption as above.
+
+Reports medians and the ratios baseline / path. Everything it writes is
 removed at the end.
 """
 from __future__ import annotations
@@ -30,6 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e" / "s3"))
 from cache_state import try_drop_page_cache  # noqa: E402
 from shard_bench import write_checkpoint  # noqa: E402
 
@@ -52,6 +63,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--source", choices=("claim", "s3"), default="claim",
+                    help="fill from a directory (a claim's), or from an S3 prefix (the local S3 server)")
     args = ap.parse_args()
 
     from ferry_worker.cache.fill_slot import fill_slot
@@ -69,6 +82,8 @@ def main() -> int:
         nbytes = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file())
         print(f"artifact: TP {args.tp}, {nbytes / 1e9:.2f} GB ({size / 1e9:.2f} GB checkpoint, {args.layers} layers)")
         marks = Watermarks(high=1 << 50, low=1 << 49)
+        if args.source == "s3":
+            return s3_bench(work, artifact, nbytes, marks, args.runs)
         times: dict[str, list[float]] = {"cp -r + sync": [], "ferry cache fill": [], "fill pod + adoption": []}
 
         def cp() -> None:
@@ -91,13 +106,67 @@ def main() -> int:
                 print(f"run {run + 1} {name}: {times[name][-1]:.2f} s")
             for leftover in ("copy", "cache-a", "cache-b"):
                 remove_tree(work / leftover)
-        base = statistics.median(times["cp -r + sync"])
-        print(f"\n| path | median s | GB/s | (cp + sync) / path |\n|---|---:|---:|---:|")
-        for name, values in times.items():
-            median = statistics.median(values)
-            print(f"| {name} | {median:.2f} | {nbytes / 1e9 / median:.2f} | {base / median:.2f} |")
+        report(times, nbytes, "cp + sync")
     finally:
         remove_tree(work)
+    return 0
+
+
+def report(times: dict[str, list[float]], nbytes: int, baseline: str) -> None:
+    """The medians as a table, each against the first path (the baseline)."""
+    base = statistics.median(next(iter(times.values())))
+    print(f"\n| path | median s | GB/s | ({baseline}) / path |\n|---|---:|---:|---:|")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} | {nbytes / 1e9 / median:.2f} | {base / median:.2f} |")
+
+
+def s3_bench(work: Path, artifact: Path, nbytes: int, marks, runs: int) -> int:
+    import hashlib
+    import os
+
+    from boto3.s3.transfer import TransferConfig
+    from s3server import S3Server
+
+    from ferry_worker.cache import s3_source
+    from ferry_worker.cache.fill_slot import fill_slot
+    from ferry_worker.cache.store import CacheStore, cache_key
+    from ferry_worker.manifest import MANIFEST_NAME
+
+    with S3Server(work / "s3") as server:
+        os.environ.update(server.env())  # as a fill pod gets them from its Secret
+        client = server.client()
+        client.create_bucket(Bucket="bench")
+        subprocess.run([str(FERRY), "publish", "--source", str(artifact), "--output", "s3://bench/artifact"],
+                       check=True, capture_output=True)
+        shutil.rmtree(artifact)
+        manifest = client.get_object(Bucket="bench", Key=f"artifact/{MANIFEST_NAME}")["Body"].read()
+        digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix="artifact/")["Contents"]]
+        config = TransferConfig(multipart_threshold=s3_source.PART_BYTES, multipart_chunksize=s3_source.PART_BYTES,
+                                max_concurrency=s3_source.CONCURRENCY)
+        times: dict[str, list[float]] = {"boto3 download + sync": [], "fill pod from S3 + adoption": []}
+
+        def download() -> None:
+            for key in keys:
+                dest = work / "download" / key
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                client.download_file("bench", key, str(dest), Config=config)
+            subprocess.run(["sync"], check=True)
+
+        def pod_fill() -> None:
+            store = CacheStore(work / "cache-s3", marks)
+            key = cache_key(digest)
+            fill_slot(store.slot(key, nbytes), "s3://bench/artifact", digest, None)
+            store.adopt(key, nbytes)
+
+        for run in range(runs):
+            for name, fn in zip(times, (download, pod_fill)):
+                times[name].append(timed(fn))
+                print(f"run {run + 1} {name}: {times[name][-1]:.2f} s")
+            for leftover in ("download", "cache-s3"):
+                remove_tree(work / leftover)
+    report(times, nbytes, "download + sync")
     return 0
 
 

@@ -128,12 +128,15 @@ def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_
     pod, on_cache = wire(spec(True), deployment())
     (c,) = pod["containers"]
     assert "/ferry/weights" in c["args"] and not any("s3://" in a for a in c["args"])
-    assert c["args"][c["args"].index("--load-format") + 1] == "runai_streamer" and "env" not in c
+    assert c["args"][c["args"].index("--load-format") + 1] == "runai_streamer"
     assert next(v for v in pod["volumes"] if v["name"] == "ferry-weights")["csi"]["volumeAttributes"] == {
         "digest": DIGEST}
     (init,) = pod["initContainers"]
     assert init["args"][init["args"].index("--artifact") + 1] == "/ferry/weights"
-    assert not [e for e in init.get("env") or [] if e["name"].startswith("AWS_")]
+    # The S3 env an earlier wiring gave both containers goes (env merges by name).
+    for container in (c, init):
+        aws = [e for e in container["env"] if e["name"].startswith("AWS_")]
+        assert aws and all(e == {"name": e["name"], "$patch": "delete"} for e in aws), container["env"]
     assert on_cache.weights_volume == "csi"
 
     pod, off = wire(spec(False), on_cache)
@@ -141,7 +144,10 @@ def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_
     assert any(a.startswith("s3://ferry-artifacts/llama/abc") for a in c["args"])
     assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"} in c["env"]
     assert {"name": "ferry-weights", "$patch": "delete"} in pod["volumes"]
+    # Both containers' mounts of it go with it (an init container's mount of a deleted volume is a 422).
+    (init,) = pod["initContainers"]
     assert c["volumeMounts"] == [{"mountPath": "/ferry/weights", "$patch": "delete"}]
+    assert {"mountPath": "/ferry/weights", "$patch": "delete"} in init["volumeMounts"]
     assert off.weights_volume == ""
 
 
@@ -251,6 +257,28 @@ def test_nodes_whose_agent_labels_them_are_counted_by_their_labels_and_others_by
     assert kinds(p, FillNode) == []
 
 
+def test_a_prewarm_node_whose_agent_says_the_entry_went_is_filled_again_and_a_warm_one_is_not_filled():
+    m = cached(prewarm={"nodeSelector": {"pool": "h100"}})
+    holds = {CACHE_AGENT_LABEL: "true", cache_label(DIGEST): "true"}
+    gone = {CACHE_AGENT_LABEL: "true", cache_evicted_label(DIGEST): "lru.1796198400"}
+    # gpu-a: evicted after its fill; gpu-b: warm from another object's fill, never filled by this one.
+    fills = [warm("gpu-a", at=ago(60))]
+    p = plan(m, observed(m, deployment(), fills=fills, prewarm=["gpu-a", "gpu-b"],
+                         nodes={"gpu-a": gone, "gpu-b": holds}), loader=LOADER)
+    assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 2)]
+    assert "no longer holds the artifact (its agent's labels): filling again" in \
+        {c.type: c.message for c in p.status.conditions}["Reconciling"]
+    assert kinds(p, PatchDeployment) == []  # held until gpu-a holds it again
+    # A fill that ended moments ago: its label may not have arrived yet.
+    fresh = plan(m, observed(m, deployment(), fills=[warm("gpu-a", at=ago(5))], prewarm=["gpu-a", "gpu-b"],
+                             nodes={"gpu-a": gone, "gpu-b": holds}), loader=LOADER)
+    assert kinds(fresh, FillNode) == []
+    # Nobody wants gpu-a any more: no refill there.
+    unwanted = plan(m, observed(m, deployment(), fills=fills, prewarm=["gpu-b"],
+                                nodes={"gpu-a": gone, "gpu-b": holds}), loader=LOADER)
+    assert kinds(unwanted, FillNode) == [] and kinds(unwanted, PatchDeployment)
+
+
 def test_a_node_that_lets_the_artifact_go_is_an_eviction_with_its_reason_and_an_event():
     from ferry_operator.events import transitions
 
@@ -270,7 +298,7 @@ def test_a_node_that_lets_the_artifact_go_is_an_eviction_with_its_reason_and_an_
     events = [(e.type, e.reason, e.message) for e in transitions(before, after, []) if e.reason == "NodeCacheEvicted"]
     assert [e[:2] for e in events] == [("Normal", "NodeCacheEvicted"), ("Warning", "NodeCacheEvicted")]
     assert "on gpu-a no longer holds the artifact: evicted as least recently used" in events[0][2]
-    assert "gpu-b" in events[1][2] and "removed as corrupt" in events[1][2] and "1 nodes still hold it" in events[1][2]
+    assert "gpu-b" in events[1][2] and "removed as corrupt" in events[1][2] and "1 node still holds it" in events[1][2]
     # Said once: the next reconcile keeps the record and posts nothing.
     m = m.model_copy(update={"status": after})
     again = plan(m, observed(m, wired(m), nodes=gone), loader=LOADER).status

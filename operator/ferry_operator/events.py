@@ -52,8 +52,8 @@ def _serving_pod_waits(before: ModelWeightsStatus | None, after: ModelWeightsSta
 
 EVICTION_WORDS = {
     "lru": (NORMAL, "evicted as least recently used, to make room for another fill"),
-    "corrupt": (WARNING, "removed as corrupt: a mount found a file that does not match the manifest (the next "
-                         "pod there fills it again)"),
+    "corrupt": (WARNING, "removed as corrupt: a mount, the agent's scrub or an admin's check found a file that "
+                         "does not match the manifest (the next pod there fills it again)"),
     "removed": (NORMAL, "removed by an admin (ferry cache evict)"),
     "unknown": (NORMAL, "gone, for no reason its node agent still remembers (removed by hand, or the agent's "
                         "record of it expired)"),
@@ -74,8 +74,10 @@ def _cache_evictions(before: ModelWeightsStatus | None, after: ModelWeightsStatu
             words += (f"; pods {', '.join(e.pods)} there still have it mounted: what they loaded was verified, "
                       f"but a restarted container would read the damaged files: delete them (kubectl delete pod "
                       f"{' '.join(e.pods)}) to mount a refilled entry")
+        left = after.cache.warm_nodes
+        still = f"{left} node still holds it" if left == 1 else f"{left} nodes still hold it"
         out.append(Event(kind, "NodeCacheEvicted", f"the node cache on {e.node} no longer holds the artifact: "
-                                                   f"{words}; {after.cache.warm_nodes} nodes still hold it"))
+                                                   f"{words}; {still}"))
         out += [Event(WARNING, "NodeCacheCorrupt", f"the node cache entry this pod has mounted on {e.node} is "
                                                    f"corrupt (found by its node agent): what it loaded was "
                                                    f"verified, but a restarted container would read the damaged "

@@ -225,6 +225,11 @@ async def cache_node_changed(name: str, labels: Any, type: str | None, **_: Any)
     WAKEUPS.wake_label_readers({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)})
 
 
+def _cache_node_labels(index: Any) -> dict[str, dict[str, str]]:
+    """node -> its cache labels, from the cache_nodes index (on the event loop, which updates it)."""
+    return {node: dict(labels) for node, store in (index or {}).items() for labels in store}
+
+
 def _cache_labels(labels: Any) -> dict[str, str]:
     return {k: v for k, v in (labels or {}).items() if k.startswith(CACHE_LABEL_PREFIX)}
 
@@ -352,8 +357,10 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
             # A shallow copy is a snapshot: kopf replaces the live body's
             # contents on each event, it does not edit them in place.
             current = _newer(dict(body), patched)
-            # A copied context: kopf.event() finds kopf's posting queue through it.
-            call = functools.partial(reconcile_once, current, namespace, name, uid, indexes)
+            # A copied context: kopf.event() finds kopf's posting queue through it. The nodes' labels are
+            # read here, on the loop that updates them: the reconcile thread iterates a snapshot.
+            seen = {**indexes, "cache_nodes": _cache_node_labels(indexes.get("cache_nodes"))}
+            call = functools.partial(reconcile_once, current, namespace, name, uid, seen)
             try:
                 outcome = await loop.run_in_executor(POOL, contextvars.copy_context().run, call)
                 if outcome.status_patch:
@@ -415,7 +422,8 @@ def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str,
 
 def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
                           deployment_index: Any, pod_index: Any = None,
-                          wiring_index: Any = None, node_index: Any = None) -> tuple[str, dict[str, Any], float]:
+                          wiring_index: Any = None,
+                          node_labels: dict[str, dict[str, str]] | None = None) -> tuple[str, dict[str, Any], float]:
     """(result for the metrics, the status merge patch, seconds until the next look)."""
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
@@ -431,7 +439,7 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
     result = "ok"
     try:
         status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index,
-                                           wiring_index, node_index)
+                                           wiring_index, node_labels)
         delay = _next_look(requeue_after, bool(actions))
     except ApiException as exc:
         if exc.status != 403:  # logged and retried by the reconciler
@@ -481,7 +489,8 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
                deployment_index: Any = None, pod_index: Any = None,
-               wiring_index: Any = None, node_index: Any = None) -> tuple[ModelWeightsStatus, float | None]:
+               wiring_index: Any = None,
+               node_labels: dict[str, dict[str, str]] | None = None) -> tuple[ModelWeightsStatus, float | None]:
     """Observe, plan, act; the status the planner computed and when to look
     again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
@@ -503,7 +512,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         owners=deployment_owners(mw, deployments, wiring_index),
         fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
         prewarm_nodes=prewarm_nodes(mw),
-        cache_nodes={node: dict(labels) for node, store in (node_index or {}).items() for labels in store},
+        cache_nodes=dict(node_labels or {}),
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
     digest = result.status.cache.digest if result.status.cache else ""

@@ -21,6 +21,10 @@ node with no pod of it left shows at once; on other nodes (an agent whose
 admission policy is not enforced labels nothing) the fill rounds say. A node
 of the previous status whose agent's labels no longer hold the digest is an
 eviction, with the reason the agent left in `cache.ferry.dev/evicted.<hash>`.
+Such a node gets a new round LABEL_LAG after its last one if a pod waits
+there or the prewarm selects it (a prewarm node that lost the entry would
+otherwise hold the rollout for good); a node whose labels say it holds the
+entry gets no first round.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from .weights_loaded import PodFacts
 
 REFILL_AFTER = timedelta(minutes=2)  # a pod still waiting this long after it came and its node's fill ended
 FILL_RETRY = timedelta(minutes=1)
+LABEL_LAG = timedelta(seconds=30)  # a confirmed fill whose node's label has not arrived yet is not gone yet
 KEEP_EVICTIONS = 8
 
 
@@ -87,15 +92,16 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
     out = CachePlan(actions=[RemoveFill(f.node, f.digest, f.round) for f in fills
                              if f.digest != digest or f is not latest.get(f.node)])
     waiting = _waiting_since(pods, digest)
+    label = cache_label(digest)
     filling: set[str] = set()
     for node in sorted(set(prewarm_nodes) | set(waiting) | set(latest)):
         fill = latest.get(node)
-        again = _next_round(node, fill, waiting, at, out.notes)
+        held = labelled[node].get(label) == "true" if node in labelled else None
+        again = _next_round(node, fill, waiting, at, out.notes, held, node in waiting or node in prewarm_nodes)
         if again is not None:
             out.actions.append(FillNode(node, artifact, again))
         if again is not None or (fill is not None and not fill.confirmed and fill.phase != "Failed"):
             filling.add(node)
-    label = cache_label(digest)
     warm = sorted({n for n, labels in labelled.items() if labels.get(label) == "true"}
                   | {n for n, f in latest.items() if f.confirmed and n not in filling and n not in labelled})
     filling -= set(warm)
@@ -108,10 +114,11 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
 
 
 def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime], at: datetime,
-                notes: list[str]) -> int | None:
-    """The fill round to start on `node` now, if any."""
+                notes: list[str], held: bool | None, wanted: bool) -> int | None:
+    """The fill round to start on `node` now, if any. `held`: whether the node's agent labels say it holds
+    the entry (None: its agent does not label); `wanted`: a pod waits there, or the prewarm selects it."""
     if fill is None:
-        return 0
+        return None if held else 0  # a node that holds it already (another object's fill) needs none
     if fill.phase == "Running":
         return None
     if fill.phase == "Failed":
@@ -119,6 +126,9 @@ def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime],
         return fill.round + 1 if fill.finished_at is None or at - fill.finished_at >= FILL_RETRY else None
     if not fill.confirmed:
         return fill.round + 1  # it filled: the next round finds the entry published, or waits for it
+    if held is False and wanted and fill.finished_at is not None and at - fill.finished_at >= LABEL_LAG:
+        notes.append(f"the node cache on {node} no longer holds the artifact (its agent's labels): filling again")
+        return fill.round + 1
     if node in waiting and fill.finished_at is not None and at - max(waiting[node], fill.finished_at) >= REFILL_AFTER:
         notes.append(f"a pod on {node} waits for the node cache entry its fill made: filling again")
         return fill.round + 1

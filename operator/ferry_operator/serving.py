@@ -287,6 +287,46 @@ def parallelism_refusal(spec: ModelWeightsSpec, artifact: Artifact, shape: Recog
     return None
 
 
+def weights_source(spec: ModelWeightsSpec, artifact: Artifact) -> tuple[tuple[dict, dict] | None, str]:
+    """(the volume and mount that put the artifact at MOUNT_PATH, None when it is read from a store; where
+    vLLM and the loader read it). With serving.nodeCache the node's entry, for an S3 artifact too: then the
+    pods read no S3 at all."""
+    mounted = volume_for(artifact.uri)
+    if node_cache_on(spec) and artifact.manifest_digest and (mounted is not None or artifact.uri.startswith("s3://")):
+        mounted = node_cache_volume(artifact.manifest_digest)
+    return mounted, MOUNT_PATH if mounted is not None else model_location(artifact.uri)
+
+
+def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, Any], c: dict[str, Any],
+                   init: dict[str, Any] | None, mounted: tuple[dict, dict] | None, env: list[dict[str, Any]],
+                   had_volume: str, local: bool) -> None:
+    """The serving container's (and the loader's) volumes, mounts and env for the artifact. Lists merge by
+    name (env, volumes) or mountPath (volumeMounts), so what an earlier wiring added and this one does not
+    want is deleted by name: the S3 env once the node cache serves an S3 artifact, the volume and both
+    containers' mounts of it once the artifact is read from the store again."""
+    if mounted is not None:
+        volume, mount = mounted
+        pod["volumes"] = [volume]
+        c["volumeMounts"] = [mount]
+        if local:
+            pod["volumes"].append(local_volume(artifact.total_bytes))
+            c["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH, "readOnly": True})
+        if artifact.uri.startswith("s3://"):
+            gone = [{"name": e["name"], "$patch": "delete"} for e in s3_env(spec)]
+            c["env"] = gone
+            if init is not None:
+                init["env"] += gone
+        return
+    if env:
+        c["env"] = env
+    if had_volume:
+        unmount = {"mountPath": MOUNT_PATH, "$patch": "delete"}
+        pod["volumes"] = [{"name": VOLUME_NAME, "$patch": "delete"}]
+        c["volumeMounts"] = [unmount]
+        if init is not None:
+            init["volumeMounts"].append(unmount)
+
+
 def deployment_patch(
     spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: DeploymentFacts,
     loader: LoaderSettings | None = None,
@@ -317,11 +357,7 @@ def deployment_patch(
     if shape.served_names is None or ours:
         served = served_model_name(spec, shape.model, ferry_set if ours else None)
     gated = loader_applies(spec, artifact, loader)
-    mounted = volume_for(artifact.uri)
-    if node_cache_on(spec) and artifact.manifest_digest and (mounted is not None or artifact.uri.startswith("s3://")):
-        mounted = node_cache_volume(artifact.manifest_digest)  # an S3 artifact too: the pods read no S3
-    # Where vLLM and the loader read it: a mount (the claim's, or the node cache's entry), else the store.
-    location = MOUNT_PATH if mounted is not None else model_location(artifact.uri)
+    mounted, location = weights_source(spec, artifact)
     local = gated and mounted is not None and spec.serving.local_copy
     served_from = LOCAL_PATH if local else location
     new_command, new_args = shape.wire(served_from, ferry_flags(spec, artifact.uri), served, ours)
@@ -351,19 +387,7 @@ def deployment_patch(
     pod: dict[str, Any] = {"containers": [c]}
     if preferred != current.preferred_nodes:
         pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
-    if mounted is not None:
-        volume, mount = mounted
-        pod["volumes"] = [volume]
-        c["volumeMounts"] = [mount]
-        if local:
-            pod["volumes"].append(local_volume(artifact.total_bytes))
-            c["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH, "readOnly": True})
-    else:
-        if env:
-            c["env"] = env
-        if current.weights_volume:  # read from the store now (the node cache turned off): the volume goes
-            pod["volumes"] = [{"name": VOLUME_NAME, "$patch": "delete"}]
-            c["volumeMounts"] = [{"mountPath": MOUNT_PATH, "$patch": "delete"}]
+    _bring_weights(spec, artifact, pod, c, init, mounted, env, current.weights_volume, local)
     key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
     if key is not None and spec.format.type == FormatType.TENSORIZER.value:
         pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {

@@ -291,3 +291,28 @@ def test_room_made_for_a_fill_is_kept_for_it(tmp_path, artifacts):
         assert agent.store.entry(cache_key(manifest_digest(artifacts["a1"]))) is not None  # not evicted for it
     finally:
         agent.cleanup()
+
+
+def test_an_entry_found_corrupt_under_a_pod_is_refused_to_new_mounts_and_fills_until_it_goes(agent, artifacts):
+    source = artifacts["a1"]
+    key = cache_key(manifest_digest(source))
+    agent.fill("filler", source)
+    agent.publish("serving", serve_attrs(source))
+    entry = agent.store.entry(key)
+    victim = sorted(entry.glob("*.safetensors"))[0]
+    victim.chmod(0o644)
+    with open(victim, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x01]))
+    with pytest.raises(Exception, match=victim.name):
+        agent.store.check(key)  # the scrub, or an admin's `ferry cache check`
+    # Neither a new serving pod nor a fill pod gets it (a fill would find the corrupt entry "complete").
+    for pod, attrs in (("second", serve_attrs(source)), ("refill", fill_attrs(source))):
+        error = refused(lambda: agent.publish(pod, attrs))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "found corrupt and is still mounted by 1 pod: " in \
+            error.details(), error.details()
+    agent.unpublish("serving")  # its pod goes: so does the entry, and a fill can start
+    assert agent.store.entry(key) is None
+    agent.fill("refill", source)
+    assert agent.store.entry(key) is not None and not agent.store.corrupt()

@@ -73,6 +73,7 @@ def test_a_changed_object_or_manifest_fails_the_fill_naming_it(s3_server, s3_env
     with pytest.raises(IntegrityError, match=f"{victim}: sha256 [0-9a-f]+ != "):
         fill_slot(slot, uri, digest, None)
     assert not (slot / victim).exists() and not (slot / MANIFEST_NAME).exists()
+    assert not [p.name for p in slot.iterdir() if victim in p.name]  # nor its temporary file
     with pytest.raises(CacheError, match="changed under its record"):
         fill_slot(slot, uri, "sha256:" + "0" * 64, None)
     with pytest.raises(CacheError, match="no ferry-manifest.json"):

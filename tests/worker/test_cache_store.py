@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from ferry_worker.cache.store import CacheError, CacheFull, CacheStore, Watermarks, cache_key
+from ferry_worker.cache.store import CacheError, CacheFull, CacheStore, CorruptEntry, Watermarks, cache_key
 from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, manifest_digest, read_manifest
 
 BIG = Watermarks(high=1 << 40, low=1 << 39)
@@ -250,15 +250,43 @@ def test_a_scrub_rereads_entries_not_verified_lately_and_removes_the_corrupt(tmp
     (problem,) = store.scrub(every=7200)
     assert "model-rank-1-part-0.safetensors" in problem and store.entry(k0) is not None
     assert store.corrupt() == {k0: clock[0]} and store.removals() == {}
-    with pytest.raises(IntegrityError, match="model-rank-1-part-0.safetensors"):
-        store.mount_entry(k0, "pod-b")
-    assert store.holders(k0) == ["pod-a"]
+    reads.clear()
+    with pytest.raises(CorruptEntry, match="found corrupt and is still mounted by 1 pod: "):
+        store.mount_entry(k0, "pod-b")  # refused up front: the kubelet's retries read nothing
+    assert store.holders(k0) == ["pod-a"] and reads == []
     clock[0] += 7201
     reads.clear()
     assert store.scrub(every=7200) == [] and len(reads) == 1  # a1 only
     store.release(k0, "pod-a")
     assert store.entry(k0) is None and store.corrupt() == {}
     assert store.removals()[k0][0] == "corrupt"
+
+
+def test_a_scrub_holds_no_lock_while_it_reads_and_treats_a_read_error_as_rot(tmp_path, artifacts, monkeypatch):
+    import ferry_worker.cache.store as store_module
+
+    monkeypatch.setattr(store_module, "SETTLE_NS", 0)  # files just written count as settled (stamped)
+    store = CacheStore(tmp_path / "cache", BIG)
+    a0, a1 = artifacts["a0"], artifacts["a1"]
+    k0, k1 = cache_key(digest(a0)), cache_key(digest(a1))
+    store.fill(a0, digest(a0))
+    store.fill(a1, digest(a1))
+    real_read = store_module.read_files
+    mounted_meanwhile = []
+
+    def read(root, entries, options, *a, **kw):
+        if Path(root).name == k0:  # a mount of the entry being scrubbed, held at this point of the read
+            mounter = threading.Thread(target=lambda: mounted_meanwhile.append(store.acquire(k0, "pod-a")))
+            mounter.start()
+            mounter.join(5)
+            raise OSError(5, "Input/output error")  # and the disk fails under the scrub
+        return real_read(root, entries, options, *a, **kw)
+    monkeypatch.setattr(store_module, "read_files", read)
+    problems = store.scrub(every=0)
+    assert mounted_meanwhile == [store.entry(k0)]  # the mount was not held up by the scrub
+    assert len(problems) == 1 and "Input/output error" in problems[0]
+    assert store.corrupt() == {k0: pytest.approx(time.time(), abs=60)}  # mounted: marked, not removed
+    assert store.entry(k1) is not None and "verified" in store.listing()["entries"][k1]  # the pass went on
 
 
 def test_the_agents_scrubber_runs_until_stopped(tmp_path, artifacts):

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -223,7 +224,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def tmp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}{TMP_MARKER}-{os.getpid()}")
+    # Per process and thread: two threads writing one file (the node agent's metadata) never share one.
+    return final.with_name(f".{final.name}{TMP_MARKER}-{os.getpid()}-{threading.get_ident()}")
 
 
 def partial_name(final: Path) -> Path:

@@ -1,14 +1,17 @@
 """A fill pod's S3 source (`ferry cache fill-slot --source s3://bucket/prefix`):
-an artifact Ferry published to S3 (runai_streamer with storage.s3, tensorizer),
-copied into the slot the node agent mounted.
+an artifact Ferry published to S3 (runai_streamer with storage.s3), copied
+into the slot the node agent mounted.
 
 Each object's ETag is compared with the one the manifest recorded first (an
 object replaced since is named as changed), then it is downloaded with boto3's
 managed transfer (ranged GETs in parallel, written to a temporary name and
-renamed when whole) and read back from the slot against the manifest's
-digests, so a corrupt object, or one replaced between the two, fails the pod
-with the file named. The agent trusts none of it
-and verifies every byte again before it publishes the entry.
+renamed when whole) and read back from the slot (from the page cache)
+against the manifest's digests, so a corrupt object, or one replaced between
+the two, fails the pod with the file named and leaves nothing. Hashing in the
+transfer instead, through a non-seekable target that boto3 feeds in order,
+hung after ten 64 MiB parts against the local S3 server, so it is not used.
+The agent trusts none of it and verifies every byte again before it
+publishes the entry.
 """
 from __future__ import annotations
 

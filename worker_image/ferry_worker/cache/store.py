@@ -57,6 +57,10 @@ class CacheError(Exception):
     """The cache cannot serve this request; the message says why and what to do."""
 
 
+class CorruptEntry(CacheError):
+    """The entry was found corrupt while pods had it mounted: nothing new gets it until it is gone."""
+
+
 class CacheFull(CacheError):
     """A fill would take the cache past its high watermark and nothing can be evicted."""
 
@@ -227,6 +231,10 @@ class CacheStore:
             path = self.entry(key)
             if path is None:
                 raise CacheError(f"no complete cache entry {key}: fill it first")
+            if self._meta(key).get("corrupt") is not None:
+                n = len(self.holders(key))
+                raise CorruptEntry(f"cache entry {key} was found corrupt and is still mounted by {n} "
+                                   f"pod{'' if n == 1 else 's'}: it is removed as they let go, then filled again")
             held = self.root / "holders" / key
             held.mkdir(exist_ok=True)
             (held / _safe(holder)).touch()
@@ -257,14 +265,6 @@ class CacheStore:
         return (self.reverify_after > 0 and verified.get("at", float("-inf")) >= self.clock() - self.reverify_after
                 and verified.get("files") == _fingerprint(self.root / "entries" / key)[0])
 
-    def _mark_corrupt(self, key: str) -> None:
-        meta = self._meta(key)
-        if meta:
-            meta.pop("verified", None)  # every later mount reads it all, and refuses it
-            meta.setdefault("corrupt", self.clock())
-            _write_json(self.root / "meta" / f"{key}.json", meta)
-            self.on_change()
-
     def _stamp_verified(self, key: str, files: str | None, at: float) -> None:
         """Record that the entry, as `files` fingerprinted it, was verified at `at` (None: forget any stamp)."""
         meta = self._meta(key)
@@ -279,14 +279,12 @@ class CacheStore:
     def release(self, key: str, holder: str) -> None:
         """`holder` no longer has the entry mounted. An entry found corrupt while pods had it mounted is
         removed as its last holder goes (the next fill fetches it again)."""
-        with contextlib.suppress(FileNotFoundError):
-            (self.root / "holders" / key / _safe(holder)).unlink()
-        if self._meta(key).get("corrupt") is not None:
-            with self._lock(key):
-                if self.entry(key) is not None and not self.holders(key):
-                    log.warning("removed corrupt entry %s as its last pod let go: the next fill fetches it "
-                                "again", key)
-                    self._remove(key, CORRUPT)
+        with self._lock(key):
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / "holders" / key / _safe(holder)).unlink()
+            if self._meta(key).get("corrupt") is not None and self.entry(key) is not None and not self.holders(key):
+                log.warning("removed corrupt entry %s as its last pod let go: the next fill fetches it again", key)
+                self._remove(key, CORRUPT)
 
     def corrupt(self) -> dict[str, float]:
         """Entries found corrupt while pods have them mounted (removed once they let go): key -> when."""
@@ -326,34 +324,50 @@ class CacheStore:
             _check_sizes(path, wanted)
             read_files(path, wanted, ReadOptions())
         except IntegrityError:
+            self._condemn(key)
+            raise
+        with self._lock(key):  # never a lock held across the read: mounts of the entry go on meanwhile
+            if self.entry(key) is not None:
+                self._stamp_verified(key, files if settled else None, started)
+
+    def _condemn(self, key: str) -> None:
+        """A corrupt entry: removed, or, while pods have it mounted, marked (no new mount gets it, the node's
+        labels say it is gone) and removed as the last of them lets go (release)."""
+        with self._lock(key):
+            if self.entry(key) is None:
+                return
             if not self.holders(key):
                 self._remove(key, CORRUPT)
-            else:
-                self._mark_corrupt(key)
-            raise
-        self._stamp_verified(key, files if settled else None, started)
+                return
+            meta = self._meta(key)
+            meta.pop("verified", None)
+            meta.setdefault("corrupt", self.clock())
+            _write_json(self.root / "meta" / f"{key}.json", meta)
+        self.on_change()
 
     def scrub(self, every: float) -> list[str]:
         """Verify every byte of each entry not verified within `every` seconds (bit rot that no write shows,
-        which a mount inside the reverify window would not see); a corrupt one is removed or marked (check).
-        One entry at a time, and none a mount or eviction holds the lock of. Returns the corrupt entries'
-        errors."""
+        which a mount inside the reverify window would not see); a corrupt or unreadable one is removed or
+        marked (check). One entry at a time, holding no lock while it reads. Returns what was wrong."""
         problems = []
         for key in self.keys():
             meta = self._meta(key)
             if meta.get("corrupt") is not None or (meta.get("verified") or {}).get("at", float("-inf")) > \
                     self.clock() - every:
                 continue  # known corrupt (going as its pods let go), or verified lately
-            with self._try_lock(key) as locked:
-                if not locked or self.entry(key) is None:
-                    continue
-                try:
-                    self.check(key)
-                except IntegrityError as exc:
-                    held = self.holders(key)
-                    log.error("scrub: entry %s is corrupt (%s); %s", key, exc,
-                              f"mounted by {', '.join(held)}: removed as they let go" if held else "removed")
-                    problems.append(f"{key}: {exc}")
+            try:
+                self.check(key)
+            except IntegrityError as exc:
+                held = self.holders(key)
+                log.error("scrub: entry %s is corrupt (%s); %s", key, exc,
+                          f"mounted by {', '.join(held)}: removed as they let go" if held else "removed")
+                problems.append(f"{key}: {exc}")
+            except OSError as exc:
+                if self.entry(key) is None:
+                    continue  # evicted while it was read
+                log.error("scrub: entry %s cannot be read (%s): treated as corrupt", key, exc)
+                self._condemn(key)  # a read error on the disk is rot too
+                problems.append(f"{key}: {exc}")
         return problems
 
     # -- eviction --------------------------------------------------------------------------------------------
@@ -418,12 +432,13 @@ class CacheStore:
         labels carry them for a while, so the operator can say why an artifact left a node."""
         out, now = {}, self.clock()
         for path in (self.root / "removed").iterdir():
+            if path.name.startswith("."):
+                continue  # a record being written (atomic_file's temporary name)
             try:
                 record = json.loads(path.read_text())
                 why, at = str(record["why"]), float(record["at"])
             except (OSError, ValueError, KeyError, TypeError):
-                path.unlink(missing_ok=True)
-                continue
+                continue  # replaced this instant, or not ours: left alone
             if now - at > REMOVAL_MEMORY_S or self.entry(path.name) is not None:
                 path.unlink(missing_ok=True)
             else:

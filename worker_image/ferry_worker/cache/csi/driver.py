@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from ...manifest import IntegrityError, atomic_file
-from ..store import CacheError, CacheFull, CacheStore, cache_key
+from ..store import CacheError, CacheFull, CacheStore, CorruptEntry, cache_key
 from . import mounts
 from .proto import csi_pb2, csi_pb2_grpc
 
@@ -132,8 +132,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             return self.store.mount_entry(key, holder)
         except IntegrityError as e:
             self._drop_record(holder)
-            raise _Refused(grpc.StatusCode.DATA_LOSS, f"cache entry {key} on node {self.node_name} is corrupt "
-                                                      f"and was removed; the next fill fetches it again: {e}")
+            raise _Refused(grpc.StatusCode.DATA_LOSS, f"cache entry {key} on node {self.node_name} is corrupt: "
+                                                      f"removed (or, while other pods have it mounted, removed as "
+                                                      f"they let go), and the next fill fetches it again: {e}")
         except CacheError as e:
             self._drop_record(holder)
             raise _Refused(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -147,6 +148,9 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             self._write_record(holder, {"key": key, "mode": "serve"})
             try:
                 return self.store.acquire(key, holder), "serve"
+            except CorruptEntry as e:  # it cannot be refilled until it is gone
+                self._drop_record(holder)
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, f"node {self.node_name}: {e}")
             except CacheError:
                 self._drop_record(holder)  # evicted this instant: a slot, then
 

@@ -1,0 +1,71 @@
+"""Ferry's Deployment patches as the real API server merges them (strategic
+merge: env and volumes by name, volumeMounts by mountPath), for the node
+cache turned on and off under an S3 artifact: what an earlier wiring added
+and the next one does not want is really gone, and no patch is refused
+(an init container's mount of a deleted volume would be a 422). The facts
+each patch is computed from are read back from the API server, as the
+operator reads them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ferry_operator.api.types import Artifact
+from ferry_operator.api.validation import parse
+from ferry_operator.serving import deployment_facts, deployment_patch
+from ferry_operator.serving_loader import LoaderSettings
+from spec_cases import manifest, with_
+
+pytestmark = pytest.mark.cluster
+
+DIGEST = "sha256:" + "3" * 64
+ARTIFACT = Artifact(uri="s3://ferry-artifacts/llama/abc", format="runai_streamer", total_bytes=1 << 20,
+                    manifest_digest=DIGEST)
+RUNAI_S3 = manifest(format={"type": "runai_streamer"}, storage={
+    "pvc": {"size": "1Gi"}, "s3": {"uri": "s3://ferry-artifacts/llama", "endpoint": "http://minio.storage:9000",
+                                   "credentialsSecretRef": {"name": "s3-creds"}}})
+
+
+def spec(cache: bool):
+    return parse(with_("serving.nodeCache", {"enabled": cache}, RUNAI_S3)).spec
+
+
+def test_turning_the_node_cache_on_and_off_under_an_s3_artifact_merges_cleanly(kube, namespace):
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "vllm", "namespace": namespace},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "vllm"}}, "template": {
+                    "metadata": {"labels": {"app": "vllm"}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                             "command": ["vllm", "serve"],
+                                             "args": ["meta-llama/Meta-Llama-3-8B", "--max-model-len", "256"]}]}}}})
+
+    def wire(cache: bool) -> dict:
+        current = deployment_facts(kube.get_json("deployment", "vllm", "-n", namespace))
+        patch = deployment_patch(spec(cache), "llama", ARTIFACT, "vllm", current,
+                                 LoaderSettings(image="ferry.local/ferry:dev"))
+        assert patch is not None
+        kube.kubectl("patch", "deployment", "vllm", "-n", namespace, "--type=strategic", "-p", json.dumps(patch))
+        return kube.get_json("deployment", "vllm", "-n", namespace)["spec"]["template"]["spec"]
+
+    def aws(container: dict) -> list[str]:
+        return [e["name"] for e in container.get("env") or [] if e["name"].startswith("AWS_")]
+
+    streamed = wire(False)
+    (vllm,), (init,) = streamed["containers"], streamed["initContainers"]
+    assert "AWS_ACCESS_KEY_ID" in aws(vllm) and "AWS_ACCESS_KEY_ID" in aws(init)
+    assert not [v for v in streamed.get("volumes") or [] if v["name"] == "ferry-weights"]
+
+    cached = wire(True)
+    (vllm,), (init,) = cached["containers"], cached["initContainers"]
+    assert aws(vllm) == [] and aws(init) == []  # the pods read no S3, and hold no S3 credentials
+    (volume,) = [v for v in cached["volumes"] if v["name"] == "ferry-weights"]
+    assert volume == {"name": "ferry-weights", "csi": {"driver": "cache.ferry.dev", "readOnly": True,
+                                                       "volumeAttributes": {"digest": DIGEST}}}
+    assert "/ferry/weights" in [m["mountPath"] for m in init["volumeMounts"]]
+    assert "/ferry/weights" in vllm["args"] + vllm.get("command", [])
+
+    again = wire(False)
+    (vllm,), (init,) = again["containers"], again["initContainers"]
+    assert not [v for v in again["volumes"] if v["name"] == "ferry-weights"]
+    assert "/ferry/weights" not in [m["mountPath"] for m in init["volumeMounts"] + (vllm.get("volumeMounts") or [])]
+    assert "AWS_ACCESS_KEY_ID" in aws(vllm) and any(a.startswith("s3://") for a in vllm["args"])
