@@ -145,6 +145,9 @@ def kubelet_env(entries: list[dict], secrets: dict[str, dict[str, str]], pod_nam
     out: dict[str, str] = {}
     for e in entries:
         name = e["name"]
+        if e.get("$patch") == "delete":  # a merge directive: the API server removes the variable
+            out.pop(name, None)
+            continue
         if "valueFrom" in e:
             source = e["valueFrom"]
             if "secretKeyRef" in source:
