@@ -25,6 +25,7 @@ import localcluster
 import localnode
 from checkpoints import LLAMA3, write_checkpoint
 from cluster_support import wait_for
+from file_damage import flip_byte
 from ferry_worker.cache.node_labels import evicted_label_for, label_for
 from ferry_worker.cache.store import cache_key
 from ferry_worker.load.selection import select
@@ -164,6 +165,16 @@ def agent_pod(kube, namespace: str) -> dict:
                         for o in p["metadata"].get("ownerReferences", []))]
         return pods[0] if len(pods) == 1 else None
     return wait_for(one, "the node cache agent's pod", timeout=120)
+
+
+def in_agent(kube, namespace: str, *action: str, check: bool = True):
+    """An admin's `ferry cache ACTION ...` run in the agent's pod, on the agent's own cache (its --root and
+    watermarks: the agent's command up to `agent`)."""
+    agent = agent_pod(kube, namespace)
+    (container,) = agent["spec"]["containers"]
+    store_command = container["command"][:container["command"].index("agent")]
+    return kube.kubectl("exec", agent["metadata"]["name"], "-n", namespace, "--", *store_command, *action,
+                        check=check)
 
 
 def agent_log(kube, namespace: str, previous: bool = False) -> str:
@@ -398,11 +409,7 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
         # agent's pod): status.cache counts it gone from the agent's labels, and an Event says why.
         node.kubectl("scale", f"deployment/{name}", "-n", NAMESPACE, "--replicas=0")
         wait_for(lambda: not pods_of(node, name), "the replica gone", timeout=120)
-        agent = agent_pod(node, chart_operator["namespace"])
-        (container,) = agent["spec"]["containers"]
-        store_command = container["command"][:container["command"].index("agent")]  # ferry cache --root ...
-        node.kubectl("exec", agent["metadata"]["name"], "-n", chart_operator["namespace"], "--",
-                     *store_command, "evict", "--digest", new_digest)
+        in_agent(node, chart_operator["namespace"], "evict", "--digest", new_digest)
         cache = wait_for(lambda: (c := mw_status(node, NAMESPACE, name)["cache"])["warmNodes"] == 0 and c,
                          "status.cache counting the node gone", timeout=150)
         assert [(e["node"], e["reason"]) for e in cache["evictions"]] == [(localnode.NODE_NAME, "removed")], cache
@@ -465,17 +472,8 @@ def test_an_s3_artifact_fills_the_node_cache_from_its_prefix_once(node, chart_op
         # A byte of the entry flipped under the running pods, found by an admin's `ferry cache check` in the
         # agent's pod (the scrub does the same on its schedule): the ModelWeights and each pod are told,
         # and the entry goes as its pods do.
-        victim = sorted((cache_dir() / "entries" / cache_key(digest)).rglob("*.safetensors"))[0]
-        victim.chmod(0o644)
-        with open(victim, "r+b") as f:
-            first = f.read(1)
-            f.seek(0)
-            f.write(bytes([first[0] ^ 0x01]))
-        agent = agent_pod(node, chart_operator["namespace"])
-        (container,) = agent["spec"]["containers"]
-        store_command = container["command"][:container["command"].index("agent")]
-        checked = node.kubectl("exec", agent["metadata"]["name"], "-n", chart_operator["namespace"], "--",
-                               *store_command, "check", "--digest", digest, check=False)
+        victim = flip_byte(sorted((cache_dir() / "entries" / cache_key(digest)).rglob("*.safetensors"))[0], 0)
+        checked = in_agent(node, chart_operator["namespace"], "check", "--digest", digest, check=False)
         assert checked.returncode != 0 and victim.name in checked.stdout + checked.stderr, checked
         running = sorted(p["metadata"]["name"] for p in pods_of(node, name))
         evictions = wait_for(lambda: (mw_status(node, NAMESPACE, name).get("cache") or {}).get("evictions"),

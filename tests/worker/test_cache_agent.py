@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from file_damage import flip_byte
 from ferry_worker.cache.csi import mounts
 from ferry_worker.cache.csi.agent import sockets, start
 from ferry_worker.cache.csi.proto import csi_pb2, csi_pb2_grpc
@@ -299,12 +300,7 @@ def test_an_entry_found_corrupt_under_a_pod_is_refused_to_new_mounts_and_fills_u
     agent.fill("filler", source)
     agent.publish("serving", serve_attrs(source))
     entry = agent.store.entry(key)
-    victim = sorted(entry.glob("*.safetensors"))[0]
-    victim.chmod(0o644)
-    with open(victim, "r+b") as f:
-        first = f.read(1)
-        f.seek(0)
-        f.write(bytes([first[0] ^ 0x01]))
+    victim = flip_byte(sorted(entry.glob("*.safetensors"))[0], 0)
     with pytest.raises(Exception, match=victim.name):
         agent.store.check(key)  # the scrub, or an admin's `ferry cache check`
     # Neither a new serving pod nor a fill pod gets it (a fill would find the corrupt entry "complete").

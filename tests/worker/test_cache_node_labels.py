@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from file_damage import flip_byte
 from ferry_operator.serving import CACHE_AGENT_LABEL, cache_evicted_label, cache_label
 from ferry_worker.cache.node_labels import (AGENT_LABEL, LABEL_PREFIX, NodeLabeler, evicted_label_for, label_for,
                                             label_patch, wanted_labels)
@@ -104,7 +105,7 @@ def test_labels_follow_fills_and_evictions(tmp_path, cache_artifacts):
 
 def test_a_removal_is_said_until_it_is_old_or_the_entry_is_back(tmp_path, cache_artifacts):
     store, a0, digest, now = filled_at_a_million(tmp_path, cache_artifacts["a0"])
-    victim = flip_a_byte(sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[0])
+    victim = flip_byte(sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[0])
     with pytest.raises(IntegrityError, match=victim.name):
         store.mount_entry(cache_key(digest), "pod-1")
     assert wanted_labels(store)[evicted_label_for(digest)] == f"{CORRUPT}.1000000"
@@ -154,16 +155,6 @@ def filled_at_a_million(tmp_path, artifact):
     return store, artifact, digest, now
 
 
-def flip_a_byte(path):
-    """Damage a published (read-only) file in place, keeping its size; returns it."""
-    path.chmod(0o644)
-    with open(path, "r+b") as f:
-        first = f.read(1)
-        f.seek(0)
-        f.write(bytes([first[0] ^ 0xFF]))
-    return path
-
-
 def _until(condition, timeout: float = 10.0) -> None:
     import time
     deadline = time.monotonic() + timeout
@@ -176,7 +167,7 @@ def _until(condition, timeout: float = 10.0) -> None:
 def test_an_entry_found_corrupt_under_its_pods_is_labelled_gone_while_they_still_hold_it(tmp_path, cache_artifacts):
     store, a0, digest, now = filled_at_a_million(tmp_path, cache_artifacts["a0"])
     store.mount_entry(cache_key(digest), "pod-1")
-    victim = flip_a_byte(sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[-1])
+    victim = flip_byte(sorted(store.entry(cache_key(digest)).glob("*.safetensors"))[-1], 0)
     with pytest.raises(IntegrityError, match=victim.name):
         store.check(cache_key(digest))  # an admin's `ferry cache check`, or the scrub
     # Not held any more as far as the node's labels say (no preference, not counted), and why.

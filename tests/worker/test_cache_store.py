@@ -18,6 +18,7 @@ from typing import Callable
 
 import pytest
 
+from file_damage import flip_byte
 from ferry_worker.cache.store import CacheError, CacheFull, CacheStore, CorruptEntry, Watermarks, cache_key
 from ferry_worker.manifest import MANIFEST_NAME, IntegrityError, manifest_digest, read_manifest
 
@@ -208,15 +209,6 @@ def test_a_mount_verifies_every_byte_unless_recently_verified_and_unchanged(tmp_
     assert store2.mount_entry(key, "pod-a")[1] is True and store2.mount_entry(key, "pod-b")[1] is True
 
 
-def flip_last_byte(path: Path) -> None:
-    path.chmod(0o644)
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
 def test_a_scrub_rereads_entries_not_verified_lately_and_removes_the_corrupt(tmp_path, artifacts, monkeypatch):
     import ferry_worker.cache.store as store_module
 
@@ -230,7 +222,7 @@ def test_a_scrub_rereads_entries_not_verified_lately_and_removes_the_corrupt(tmp
     k0, k1 = cache_key(digest(a0)), cache_key(digest(a1))
     store.fill(a0, digest(a0))
     store.fill(a1, digest(a1))
-    flip_last_byte(store.entry(k0) / "model-rank-0-part-0.safetensors")  # rot after the fill's verification
+    flip_byte(store.entry(k0) / "model-rank-0-part-0.safetensors")  # rot after the fill's verification
     reads.clear()
     assert store.scrub(every=7200) == [] and reads == []  # verified within the interval: not read
     clock[0] += 7201
@@ -245,7 +237,7 @@ def test_a_scrub_rereads_entries_not_verified_lately_and_removes_the_corrupt(tmp
     # its last pod lets go, and a scrub does not read it again meanwhile.
     store.fill(a0, digest(a0))
     assert store.mount_entry(k0, "pod-a")[1] is False
-    flip_last_byte(store.entry(k0) / "model-rank-1-part-0.safetensors")
+    flip_byte(store.entry(k0) / "model-rank-1-part-0.safetensors")
     clock[0] += 7201
     (problem,) = store.scrub(every=7200)
     assert "model-rank-1-part-0.safetensors" in problem and store.entry(k0) is not None
@@ -295,7 +287,7 @@ def test_the_agents_scrubber_runs_until_stopped(tmp_path, artifacts):
     store = CacheStore(tmp_path / "cache", BIG)
     a0 = artifacts["a0"]
     store.fill(a0, digest(a0))
-    flip_last_byte(store.entry(cache_key(digest(a0))) / "model-rank-0-part-0.safetensors")
+    flip_byte(store.entry(cache_key(digest(a0))) / "model-rank-0-part-0.safetensors")
     stop = threading.Event()
     worker = threading.Thread(target=scrubber, args=(store, 0.05, stop))
     worker.start()

@@ -213,7 +213,7 @@ class CacheStore:
         with contextlib.suppress(FileNotFoundError):
             (staging / PENDING_MANIFEST).unlink()
         final = self.root / "entries" / key
-        _write_json(self.root / "meta" / f"{key}.json", {"bytes": nbytes, "lastUsed": self.clock(), "pinned": False})
+        self._write_meta(key, {"bytes": nbytes, "lastUsed": self.clock(), "pinned": False})
         staging.chmod(0o555)
         os.rename(staging, final)
         fsync_dir(final.parent)
@@ -274,7 +274,7 @@ class CacheStore:
             meta.pop("verified", None)
         else:
             meta["verified"] = {"at": at, "files": files}
-        _write_json(self.root / "meta" / f"{key}.json", meta)
+        self._write_meta(key, meta)
 
     def release(self, key: str, holder: str) -> None:
         """`holder` no longer has the entry mounted. An entry found corrupt while pods had it mounted is
@@ -298,12 +298,12 @@ class CacheStore:
         meta = self._meta(key)
         if not meta:
             raise CacheError(f"no complete cache entry {key} to pin")
-        _write_json(self.root / "meta" / f"{key}.json", {**meta, "pinned": pinned})
+        self._write_meta(key, {**meta, "pinned": pinned})
 
     def touch(self, key: str) -> None:
         meta = self._meta(key)
         if meta:
-            _write_json(self.root / "meta" / f"{key}.json", {**meta, "lastUsed": self.clock()})
+            self._write_meta(key, {**meta, "lastUsed": self.clock()})
 
     def check(self, key: str) -> None:
         """Every byte of the entry against its manifest, before a mount: the error names the file. A corrupt
@@ -342,7 +342,7 @@ class CacheStore:
             meta = self._meta(key)
             meta.pop("verified", None)
             meta.setdefault("corrupt", self.clock())
-            _write_json(self.root / "meta" / f"{key}.json", meta)
+            self._write_meta(key, meta)
         self.on_change()
 
     def scrub(self, every: float) -> list[str]:
@@ -455,12 +455,18 @@ class CacheStore:
             _make_removable(doomed)
             shutil.rmtree(doomed)
         with contextlib.suppress(FileNotFoundError):
-            (self.root / "meta" / f"{key}.json").unlink()
+            self._meta_path(key).unlink()
 
     # -- internals -------------------------------------------------------------------------------------------
+    def _meta_path(self, key: str) -> Path:
+        return self.root / "meta" / f"{key}.json"
+
+    def _write_meta(self, key: str, meta: dict) -> None:
+        _write_json(self._meta_path(key), meta)
+
     def _meta(self, key: str) -> dict:
         try:
-            return json.loads((self.root / "meta" / f"{key}.json").read_text())
+            return json.loads(self._meta_path(key).read_text())
         except FileNotFoundError:
             return {}
 
