@@ -10,6 +10,8 @@ etcd + kube-apiserver + kube-controller-manager + kube-scheduler, and two nodes:
   carries the `nvidia.com/gpu` NoSchedule taint of a GPU node pool; pods that
   request `nvidia.com/gpu` get the toleration from the
   ExtendedResourceToleration admission plugin, as on GKE and AKS.
+The LeaderWorkerSet controller (sigs.k8s.io/lws) runs as a host process beside
+the control plane, with its CRD and webhooks (e2e/localcluster_lws.py).
 Binaries come from e2e/controlplane/build.sh (built from the Go module proxy,
 cached by version) or FERRY_K8S_ASSETS. FERRY_NODE=0 leaves the real node out
 (no root needed; the API server then listens on loopback only).
@@ -42,6 +44,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import localcluster_lws
 import localnode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,13 +64,16 @@ AUDIT_LOG = CLUSTER / "logs" / "audit.log"
 
 def write_audit_policy(path: Path) -> Path:
     """Audit only writes of ModelWeights status, and of pod status by service
-    accounts (the serving pods' loaders; not the kubelet's), with their bodies."""
+    accounts (the serving pods' loaders; not the kubelet's), with their bodies;
+    and, without bodies, service accounts' writes of LeaderWorkerSets (the operator's wiring)."""
     path.write_text(json.dumps({
         "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
         "rules": [{"level": "Request", "verbs": ["patch", "update"],
                    "resources": [{"group": "ferry.dev", "resources": ["modelweights/status"]}]},
                   {"level": "Request", "verbs": ["patch", "update"], "userGroups": ["system:serviceaccounts"],
                    "resources": [{"group": "", "resources": ["pods/status"]}]},
+                  {"level": "Metadata", "verbs": ["patch", "update"], "userGroups": ["system:serviceaccounts"],
+                   "resources": [{"group": "leaderworkerset.x-k8s.io", "resources": ["leaderworkersets"]}]},
                   {"level": "None"}]}))
     return path
 
@@ -176,13 +182,15 @@ def openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def signed_cert(pki: Path, name: str, subject: str, ext: str) -> None:
+def signed_cert(pki: Path, name: str, subject: str, ext: str, out: Path | None = None) -> None:
+    """`<out>/<name>.key` and `.crt` (out: `pki`), signed by the CA in `pki`."""
+    out = out or pki
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
-            "-keyout", str(pki / f"{name}.key"), "-out", str(pki / f"{name}.csr"))
-    (pki / f"{name}.ext").write_text(ext + "\n")
-    openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"), "-CAkey",
-            str(pki / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(pki / f"{name}.ext"),
-            "-out", str(pki / f"{name}.crt"))
+            "-keyout", str(out / f"{name}.key"), "-out", str(out / f"{name}.csr"))
+    (out / f"{name}.ext").write_text(ext + "\n")
+    openssl("x509", "-req", "-in", str(out / f"{name}.csr"), "-CA", str(pki / "ca.crt"), "-CAkey",
+            str(pki / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(out / f"{name}.ext"),
+            "-out", str(out / f"{name}.crt"))
 
 
 def make_pki(pki: Path) -> None:
@@ -236,6 +244,7 @@ class Cluster:
 
     def up(self, timeout: float = 120) -> None:
         if self.running():
+            self._ensure_lws(timeout)
             print(f"local cluster already running; KUBECONFIG={KUBECONFIG}")
             return
         self.down(quiet=True)
@@ -244,6 +253,7 @@ class Cluster:
         CLUSTER.mkdir(parents=True, exist_ok=True)
         (CLUSTER / "bin.json").write_text(json.dumps({"bin": str(bin_dir)}))
         provisioner_bin = storage_provisioner() if with_node else ""
+        lws_assets = localcluster_lws.assets()
         pki = CLUSTER / "pki"
         make_pki(pki)
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -358,6 +368,9 @@ class Cluster:
         ])
         self.pids_file.write_text(json.dumps(pids))
         KUBECONFIG.write_text(kubeconfig(server, ca, tokens["admin"], "ferry-admin"))
+        # LWS starts here and initialises while the node comes up; its webhooks are hooked in at the end.
+        pids[localcluster_lws.PROCESS] = self._start_lws(lws_assets, pki, server, ca)
+        self.pids_file.write_text(json.dumps(pids))
         for name in FAKE_NODES:
             self._create_fake_node(name)
         if with_node:
@@ -365,7 +378,47 @@ class Cluster:
         # The serviceaccount controller must have made `default` before pods can be created.
         self._wait(lambda: self._kubectl("get", "serviceaccount", "default", "-n", "default", check=False) == 0,
                    timeout, "default ServiceAccount", pids)
+        self._register_lws(ca, pids, timeout)
         print(f"local cluster up: {server}\nexport KUBECONFIG={KUBECONFIG}")
+
+    def _start_lws(self, assets: localcluster_lws.Assets, pki: Path, server: str, ca: Path) -> int:
+        """The LeaderWorkerSet controller: its CRD, its own client-certificate identity
+        with admin rights, its serving cert and config; returns its pid. Its webhooks
+        are registered by `_register_lws` once it serves them."""
+        # --server-side: the CRD (1.3 MB) is over the last-applied annotation's limit.
+        applied = subprocess.run([kubectl_path(), "--kubeconfig", str(KUBECONFIG), "apply", "--server-side",
+                                  "--force-conflicts", "-f", str(assets.crd_dir)], capture_output=True, text=True)
+        if applied.returncode != 0:
+            raise SystemExit(f"cannot install the LeaderWorkerSet CRD from {assets.crd_dir}:\n{applied.stderr}")
+        wait_crd_established(localcluster_lws.CRD)
+        self._apply(localcluster_lws.admin_binding())
+        signed_cert(pki, "lws-controller", f"/CN={localcluster_lws.USER}", "extendedKeyUsage=clientAuth")
+        cfg = CLUSTER / "lws-controller.kubeconfig"
+        cfg.write_text(kubeconfig(server, ca, None, "lws-controller", cert=pki / "lws-controller.crt"))
+        lws = localcluster_lws.Controller(CLUSTER / "lws")
+        lws.prepare(lambda out, name, subject, ext: signed_cert(pki, name, subject, ext, out=out), free_port,
+                    localnode.NODE_IP)
+        return self._spawn(localcluster_lws.PROCESS, lws.argv(assets.binary, cfg))
+
+    def _register_lws(self, ca: Path, pids: dict[str, int], timeout: float, teardown: bool = True) -> None:
+        """Once the LWS webhook server answers, point the API server at it."""
+        lws = localcluster_lws.Controller(CLUSTER / "lws")
+        self._wait(lambda: lws.serving(ca), timeout, "the LeaderWorkerSet webhook server", pids, teardown)
+        for obj in lws.webhook_configurations(ca):
+            self._apply(obj)
+
+    def _ensure_lws(self, timeout: float) -> None:
+        """Add LWS to a running cluster that was started without it (by an older harness),
+        leaving the rest of the cluster as it is."""
+        pids = json.loads(self.pids_file.read_text())
+        if localcluster_lws.PROCESS in pids:
+            return
+        ep = json.loads((CLUSTER / "endpoint.json").read_text())
+        ca = Path(ep["ca"])
+        pids[localcluster_lws.PROCESS] = self._start_lws(localcluster_lws.assets(), CLUSTER / "pki", ep["server"], ca)
+        self.pids_file.write_text(json.dumps(pids))
+        self._register_lws(ca, pids, timeout, teardown=False)
+        print("started the LeaderWorkerSet controller in the running cluster")
 
     def _start_node(self, pids: dict[str, int], bin_dir: Path, provisioner_bin: str, cfgs: dict[str, Path],
                     ca: Path, timeout: float) -> None:
@@ -427,18 +480,22 @@ class Cluster:
                                 start_new_session=True, env={**os.environ, **(env or {})})
         return proc.pid
 
-    def _wait(self, ok, timeout: float, what: str, pids: dict[str, int]) -> None:
+    def _wait(self, ok, timeout: float, what: str, pids: dict[str, int], teardown: bool = True) -> None:
+        """Poll `ok`; on a dead process or the timeout, stop the cluster (unless not `teardown`) and exit."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ok():
                 return
             dead = [n for n, p in pids.items() if not _alive(p)]
             if dead:
-                tail = (self.logs / f"{dead[0]}.log").read_text(errors="replace")[-3000:]
-                self.down(quiet=True)
+                log = self.logs / f"{dead[0]}.log"
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                if teardown:
+                    self.down(quiet=True)
                 raise SystemExit(f"{dead[0]} exited while waiting for {what}:\n{tail}")
             time.sleep(0.5)
-        self.down(quiet=True)
+        if teardown:
+            self.down(quiet=True)
         raise SystemExit(f"timed out after {timeout}s waiting for {what}; logs in {self.logs}")
 
     def down(self, quiet: bool = False) -> None:
@@ -448,6 +505,8 @@ class Cluster:
             pids = json.loads(self.pids_file.read_text())
             for pid in reversed(list(pids.values())):
                 _kill(pid)
+        # An LWS controller that a crashed `up` did not record, found by its config path.
+        localnode.stop(localnode.pids_mentioning(str(localcluster_lws.Controller(CLUSTER / "lws").config)))
         # The node's leftovers whether or not it was recorded (a crashed `up`).
         paths = node_paths()
         # Only this state dir's node: the bridge and iptables are the machine's, and
@@ -461,6 +520,15 @@ class Cluster:
         KUBECONFIG.unlink(missing_ok=True)
         if not quiet:
             print("local cluster down")
+
+
+def leftovers() -> dict[str, list[str]]:
+    """What of the cluster is still on this machine after `down`: the node's
+    leftovers, and any process that names the LWS controller's files."""
+    left = localnode.leftovers(node_paths())
+    lws = [f"{p} {localnode._cmdline(p)[:120]}" for p in localnode.pids_mentioning(str(CLUSTER / "lws"))]
+    left["processes"] = left["processes"] + [p for p in lws if p not in left["processes"]]
+    return left
 
 
 def stop_pid_file(path: Path) -> None:
@@ -512,8 +580,8 @@ def main() -> None:
     elif args.command == "build":
         print(binaries())
     elif args.command == "leftovers":
-        # After `down`: anything of the node still on this machine fails this.
-        left = {k: v for k, v in localnode.leftovers(node_paths()).items() if v}
+        # After `down`: anything of the node or of LWS still on this machine fails this.
+        left = {k: v for k, v in leftovers().items() if v}
         print(json.dumps(left, indent=2) if left else "nothing of the local cluster is left on this machine")
         sys.exit(1 if left else 0)
     else:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ferry_operator.api.types import Artifact, ModelWeightsSpec
 from ferry_operator.api.validation import parse
-from ferry_operator.serving import DeploymentFacts, deployment_patch
+from ferry_operator.serving import WorkloadFacts, template_patch
 from spec_cases import manifest
 
 HUB_ID = "meta-llama/Meta-Llama-3-70B-Instruct"
@@ -51,13 +51,13 @@ SPECS: dict[str, tuple[ModelWeightsSpec, Artifact]] = {
 
 
 def facts(command: list[str] | None, args: list[str], annotations: dict[str, str] | None = None,
-          name: str = "llama-70b-vllm") -> DeploymentFacts:
-    return DeploymentFacts(name=name, containers={"sidecar": [], CONTAINER: list(args)},
+          name: str = "llama-70b-vllm") -> WorkloadFacts:
+    return WorkloadFacts(name=name, containers={"sidecar": [], CONTAINER: list(args)},
                            commands={CONTAINER: list(command)} if command else {},
                            template_annotations=dict(annotations or {}), rolled_out=True)
 
 
-def apply(current: DeploymentFacts, patch: dict[str, Any] | None) -> DeploymentFacts:
+def apply(current: WorkloadFacts, patch: dict[str, Any] | None) -> WorkloadFacts:
     """What the API server's strategic merge makes of the fields Ferry reads
     (containers merge by name; command and args are replaced; a null annotation is removed)."""
     if patch is None:
@@ -79,7 +79,7 @@ def apply(current: DeploymentFacts, patch: dict[str, Any] | None) -> DeploymentF
                    weights_volume=merged_weights_volume(current, template["spec"]))
 
 
-def merged_weights_volume(current: DeploymentFacts, pod_patch: dict[str, Any]) -> str:
+def merged_weights_volume(current: WorkloadFacts, pod_patch: dict[str, Any]) -> str:
     """The ferry-weights volume's source after a strategic merge: volumes merge by name, and `$retainKeys`
     (Ferry's node cache volume) keeps only the keys it lists."""
     for v in pod_patch.get("volumes") or []:
@@ -88,13 +88,13 @@ def merged_weights_volume(current: DeploymentFacts, pod_patch: dict[str, Any]) -
     return current.weights_volume
 
 
-def wire(spec_name: str, current: DeploymentFacts) -> tuple[dict | None, DeploymentFacts]:
+def wire(spec_name: str, current: WorkloadFacts) -> tuple[dict | None, WorkloadFacts]:
     spec, artifact = SPECS[spec_name]
-    patch = deployment_patch(spec, "llama", artifact, CONTAINER, current)
+    patch = template_patch(spec, "llama", artifact, CONTAINER, current)
     return patch, apply(current, patch)
 
 
-def command_line(d: DeploymentFacts) -> tuple[list[str], list[str]]:
+def command_line(d: WorkloadFacts) -> tuple[list[str], list[str]]:
     return list(d.commands.get(CONTAINER, [])), list(d.containers[CONTAINER])
 
 
@@ -192,7 +192,7 @@ SHAPES = [
 ]
 
 
-def shape_facts(shape: Shape) -> DeploymentFacts:
+def shape_facts(shape: Shape) -> WorkloadFacts:
     return facts(copy.copy(shape.command), copy.copy(shape.args))
 
 

@@ -84,7 +84,8 @@ OPERATOR_NAMESPACED = {
     ("ferry.dev", "modelweights/finalizers", "update", "*"),
     *(("batch", "jobs", v, "*") for v in (*READS, "create", "delete", "patch")),
     *(("", "persistentvolumeclaims", v, "*") for v in (*READS, "create", "delete", "patch")),
-    *(("apps", "deployments", v, "*") for v in (*READS, "patch")),
+    *(("apps", r, v, "*") for r in ("deployments", "statefulsets") for v in (*READS, "patch")),
+    *(("leaderworkerset.x-k8s.io", "leaderworkersets", v, "*") for v in (*READS, "patch")),
     *(("", "pods", v, "*") for v in READS),
     *((g, "events", v, "*") for g in ("", "events.k8s.io") for v in ("create", "patch")),
     *(("", "serviceaccounts", v, "*") for v in ("get", "create")),
@@ -352,15 +353,16 @@ def test_admission_policies_ship_enforced_and_the_operator_is_told_their_names(h
 
 @pytest.mark.helm
 def test_every_serving_deployment_a_spec_can_hold_is_authorised(helm):
-    """The references policy checks deployments[0..N-1] one by one (a message may not
-    call the authorizer): N must be the API's own limit on serving.deployments."""
+    """The references policy checks deployments[0..N-1] and targets[0..N-1] one by one (a message may
+    not call the authorizer): N must be the API's own limit on each list."""
     from ferry_operator.api.types import Serving
 
     (policy,) = [p for p in by_kind(render(helm), "ValidatingAdmissionPolicy")
                  if p["metadata"]["name"] == "ferry-references"]
-    checked = [v for v in policy["spec"]["validations"] if "spec.serving.deployments[" in v["messageExpression"]]
-    limit = next(m.max_length for m in Serving.model_fields["deployments"].metadata if hasattr(m, "max_length"))
-    assert len(checked) == limit == 32
+    for field in ("deployments", "targets"):
+        checked = [v for v in policy["spec"]["validations"] if f"spec.serving.{field}[" in v["messageExpression"]]
+        limit = next(m.max_length for m in Serving.model_fields[field].metadata if hasattr(m, "max_length"))
+        assert len(checked) == limit == 32, field
 
 
 NODE_CACHE = "ferry-node-cache"

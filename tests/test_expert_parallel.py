@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ferry_operator.api.validation import parse
-from ferry_operator.planner import (ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan,
+from ferry_operator.planner import (ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan,
                                     recorded_artifact)
-from ferry_operator.serving import ParallelismUnsupported, deployment_patch, ferry_flags
+from ferry_operator.serving import ParallelismUnsupported, template_patch, ferry_flags
 from ferry_operator.steps import prepare_steps, spec_digest
 from serving_cases import CONTAINER, HUB_ID, PARALLELISM_FLAGS, SPECS, apply, command_line, facts, spec_of, wire
 from spec_cases import VALID, manifest, with_
@@ -111,12 +111,12 @@ def test_turning_expert_parallel_off_removes_the_flags_ferry_set():
     _, wired = wire("hf-ep", facts(["vllm", "serve"], [HUB_ID, "--max-model-len", "8192"]))
     assert "--enable-expert-parallel" in command_line(wired)[1]
     spec, artifact = SPECS["hf"]
-    patch = deployment_patch(spec, "llama", artifact, CONTAINER, wired)
+    patch = template_patch(spec, "llama", artifact, CONTAINER, wired)
     unwired = apply(wired, patch)
     args = command_line(unwired)[1]
     assert "--enable-expert-parallel" not in args and "--expert-placement-strategy" not in args
     assert "--max-model-len" in args
-    assert deployment_patch(spec, "llama", artifact, CONTAINER, unwired) is None
+    assert template_patch(spec, "llama", artifact, CONTAINER, unwired) is None
 
 
 @pytest.mark.parametrize("user", [["-ep"], ["--enable-expert-parallel"], ["--enable_expert_parallel"],
@@ -125,7 +125,7 @@ def test_the_users_expert_parallel_flags_give_way_to_the_spec(user):
     spec = spec_of(manifest(format={"type": "safetensors", "tensorParallelSize": 2}))
     artifact = SPECS["pvc"][1]
     current = facts(["vllm", "serve"], [HUB_ID, *user, "--max-model-len", "8192"])
-    args = command_line(apply(current, deployment_patch(spec, "llama", artifact, CONTAINER, current)))[1]
+    args = command_line(apply(current, template_patch(spec, "llama", artifact, CONTAINER, current)))[1]
     assert not {"-ep", "--enable-expert-parallel", "--enable_expert_parallel", "--no-enable-expert-parallel",
                 "--expert-placement-strategy", "round_robin"} & set(args)
     assert args[:3] == ["/ferry/weights", "--max-model-len", "8192"]
@@ -172,7 +172,7 @@ def test_a_data_parallel_size_kubernetes_expands_is_refused_as_unreadable():
 def test_a_dense_artifact_serves_with_data_parallelism(artifact):
     spec = SPECS["hf-ep"][0]
     current = facts(["vllm", "serve"], [HUB_ID, "-dp", "2", "--enable-eplb"])
-    assert deployment_patch(spec, "llama", artifact, CONTAINER, current) is not None
+    assert template_patch(spec, "llama", artifact, CONTAINER, current) is not None
 
 
 @pytest.mark.parametrize("obj", [
@@ -183,7 +183,7 @@ def test_vllm_cuts_the_experts_itself_where_nothing_is_pre_cut(obj):
     spec = spec_of(obj)
     artifact = SPECS["hf-ep"][1].model_copy(update={"format": spec.format.type})
     current = facts(["vllm", "serve"], [HUB_ID, "-dp", "2", "--enable-eplb"])
-    assert deployment_patch(spec, "llama", artifact, CONTAINER, current) is not None
+    assert template_patch(spec, "llama", artifact, CONTAINER, current) is not None
 
 
 def mw(obj, generation=2):
@@ -198,7 +198,7 @@ def test_the_planner_stalls_a_deployment_asking_for_data_parallelism_and_records
     m = mw(VALID["moe-expert-parallel"])
     done = {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}
     dp = facts(["vllm", "serve"], [HUB_ID, "--data-parallel-size", "2"])
-    p = plan(m, Observed(steps=done, artifact=MOE_FACTS, deployments={"llama-70b-vllm": dp}))
+    p = plan(m, Observed(steps=done, artifact=MOE_FACTS, workloads={"llama-70b-vllm": dp}))
     assert p.actions == []
     assert conds(p)["Stalled"] == ("True", "ParallelismUnsupported")
     assert conds(p)["ServingUpdated"] == ("False", "ParallelismUnsupported")
@@ -212,9 +212,9 @@ def test_the_planner_stalls_a_deployment_asking_for_data_parallelism_and_records
     # Without the flag the Deployment is wired, with Ferry's expert-parallel flags, and the stall ends.
     fixed = facts(["vllm", "serve"], [HUB_ID])
     m.status = p.status
-    p = plan(m, Observed(steps=done, artifact=MOE_FACTS, deployments={"llama-70b-vllm": fixed}))
+    p = plan(m, Observed(steps=done, artifact=MOE_FACTS, workloads={"llama-70b-vllm": fixed}))
     (action,) = p.actions
-    assert isinstance(action, PatchDeployment)
+    assert isinstance(action, PatchWorkload)
     args = action.patch["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--enable-expert-parallel") + 1:][:2] == ["--expert-placement-strategy", "round_robin"]
     assert conds(p)["Stalled"] == ("False", "Progressing")

@@ -17,8 +17,8 @@ from ferry_operator.api.validation import InvalidSpec, parse
 from ferry_operator.executors.cache_fill import fill_facts, fill_job_manifest
 from ferry_operator.executors.jobs import WorkerSettings
 from ferry_operator.node_cache import FillFacts, FillNode, RemoveFill
-from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
-from ferry_operator.serving import CACHE_AGENT_LABEL, DeploymentFacts, cache_evicted_label, cache_label
+from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
+from ferry_operator.serving import CACHE_AGENT_LABEL, WorkloadFacts, cache_evicted_label, cache_label
 from ferry_operator.serving_loader import LoaderSettings
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import PodFacts
@@ -43,27 +43,27 @@ def cached(prewarm: dict | None = None, **cache):
     return parse({**obj, "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
 
 
-def deployment(**kw) -> DeploymentFacts:
-    base = DeploymentFacts(name=NAME, containers={"vllm": ["--model", "meta-llama/Meta-Llama-3-70B-Instruct"]},
+def deployment(**kw) -> WorkloadFacts:
+    base = WorkloadFacts(name=NAME, containers={"vllm": ["--model", "meta-llama/Meta-Llama-3-70B-Instruct"]},
                            template_annotations={}, rolled_out=True, service_account="serving", replicas=1)
     return replace(base, **kw)
 
 
-def observed(m, dep: DeploymentFacts, pods=(), fills=(), prewarm=(), nodes=None) -> Observed:
+def observed(m, dep: WorkloadFacts, pods=(), fills=(), prewarm=(), nodes=None) -> Observed:
     return Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=FACTS,
-                    deployments={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm),
+                    workloads={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm),
                     cache_nodes=nodes or {})
 
 
 def waiting_pod(node: str, created: datetime | None = None, digest: str = DIGEST) -> PodFacts:
-    return PodFacts(name=f"p-{node}", owner="llama", digest=digest, gate=None, deployment=NAME, node=node,
+    return PodFacts(name=f"p-{node}", owner="llama", digest=digest, gate=None, workload=NAME, node=node,
                     awaiting_volumes=True, created=created or ago())
 
 
-def wired(m, current: DeploymentFacts | None = None) -> DeploymentFacts:
+def wired(m, current: WorkloadFacts | None = None) -> WorkloadFacts:
     """The Deployment after Ferry's patch (what the planner reads back)."""
     current = current or deployment()
-    (patch,) = [a for a in plan(m, observed(m, current), loader=LOADER).actions if isinstance(a, PatchDeployment)]
+    (patch,) = [a for a in plan(m, observed(m, current), loader=LOADER).actions if isinstance(a, PatchWorkload)]
     pod = patch.patch["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     inits = {i["name"]: {"image": i["image"], "args": i["args"]} for i in pod["initContainers"]}
@@ -81,7 +81,7 @@ def kinds(p, kind):
 
 def test_the_pods_get_the_node_cache_volume_in_place_of_the_claim():
     m = cached()
-    (patch,) = kinds(plan(m, observed(m, deployment()), loader=LOADER), PatchDeployment)
+    (patch,) = kinds(plan(m, observed(m, deployment()), loader=LOADER), PatchWorkload)
     pod = patch.patch["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "ferry-weights")
     assert volume == {"name": "ferry-weights", "$retainKeys": ["name", "csi"],
@@ -98,11 +98,11 @@ def test_turning_the_node_cache_on_or_off_rolls_the_deployment_once():
     on_claim = wired(plain)
     assert on_claim.weights_volume == "persistentVolumeClaim"
     m = cached()
-    (patch,) = kinds(plan(m, observed(m, on_claim), loader=LOADER), PatchDeployment)  # same digest: still rolls
+    (patch,) = kinds(plan(m, observed(m, on_claim), loader=LOADER), PatchWorkload)  # same digest: still rolls
     on_cache = wired(m)
     assert on_cache.weights_volume == "csi"
-    assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []
-    assert kinds(plan(plain, observed(plain, on_cache), loader=LOADER), PatchDeployment)  # and back to the claim
+    assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchWorkload) == []
+    assert kinds(plan(plain, observed(plain, on_cache), loader=LOADER), PatchWorkload)  # and back to the claim
 
 
 RUNAI_S3 = manifest(format={"type": "runai_streamer", "tensorParallelSize": 2}, storage={
@@ -119,10 +119,10 @@ def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_
         obj = with_("serving.nodeCache", {"enabled": cache}, RUNAI_S3)
         return parse({**obj, "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
 
-    def wire(m, current: DeploymentFacts):
+    def wire(m, current: WorkloadFacts):
         seen = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)},
-                        artifact=S3_FACTS, deployments={NAME: current}, fills=[])
-        (patch,) = kinds(plan(m, seen, loader=LOADER), PatchDeployment)
+                        artifact=S3_FACTS, workloads={NAME: current}, fills=[])
+        (patch,) = kinds(plan(m, seen, loader=LOADER), PatchWorkload)
         return patch.patch["spec"]["template"]["spec"], apply(current, patch.patch)
 
     pod, on_cache = wire(spec(True), deployment())
@@ -172,7 +172,7 @@ USERS_TERM = {"weight": 100, "preference": {"matchExpressions": [
     {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}}
 
 
-def ferry_terms(d: DeploymentFacts) -> list[dict]:
+def ferry_terms(d: WorkloadFacts) -> list[dict]:
     return [t for t in d.preferred_nodes if t["preference"]["matchExpressions"][0]["key"].startswith("cache.ferry.dev/")]
 
 
@@ -183,11 +183,11 @@ def test_wired_pods_prefer_the_nodes_that_hold_their_artifact_and_keep_the_users
     assert ferry_terms(on_cache) == [{"weight": 50, "preference": {"matchExpressions": [
         {"key": cache_label(DIGEST), "operator": "Exists"}]}}]
     assert on_cache.preferred_nodes[0] == USERS_TERM
-    assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchDeployment) == []  # wired: no second roll
+    assert kinds(plan(m, observed(m, on_cache), loader=LOADER), PatchWorkload) == []  # wired: no second roll
 
     # A new artifact: the term follows the digest (the old one's is dropped, the user's stays).
     new = replace(FACTS, manifest_digest="sha256:" + "2" * 64)
-    (patch,) = kinds(plan(m, replace(observed(m, on_cache), artifact=new), loader=LOADER), PatchDeployment)
+    (patch,) = kinds(plan(m, replace(observed(m, on_cache), artifact=new), loader=LOADER), PatchWorkload)
     terms = patch.patch["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "preferredDuringSchedulingIgnoredDuringExecution"]
     assert terms == [USERS_TERM, {"weight": 50, "preference": {"matchExpressions": [
@@ -268,7 +268,7 @@ def test_a_prewarm_node_whose_agent_says_the_entry_went_is_filled_again_and_a_wa
     assert [(a.node, a.round) for a in kinds(p, FillNode)] == [("gpu-a", 2)]
     assert "no longer holds the artifact (its agent's labels): filling again" in \
         {c.type: c.message for c in p.status.conditions}["Reconciling"]
-    assert kinds(p, PatchDeployment) == []  # held until gpu-a holds it again
+    assert kinds(p, PatchWorkload) == []  # held until gpu-a holds it again
     # A fill that ended moments ago: its label may not have arrived yet.
     fresh = plan(m, observed(m, deployment(), fills=[warm("gpu-a", at=ago(5))], prewarm=["gpu-a", "gpu-b"],
                              nodes={"gpu-a": gone, "gpu-b": holds}), loader=LOADER)
@@ -276,7 +276,7 @@ def test_a_prewarm_node_whose_agent_says_the_entry_went_is_filled_again_and_a_wa
     # Nobody wants gpu-a any more: no refill there.
     unwanted = plan(m, observed(m, deployment(), fills=fills, prewarm=["gpu-b"],
                                 nodes={"gpu-a": gone, "gpu-b": holds}), loader=LOADER)
-    assert kinds(unwanted, FillNode) == [] and kinds(unwanted, PatchDeployment)
+    assert kinds(unwanted, FillNode) == [] and kinds(unwanted, PatchWorkload)
 
 
 def test_a_node_that_lets_the_artifact_go_is_an_eviction_with_its_reason_and_an_event():
@@ -339,21 +339,21 @@ def test_a_failed_fill_is_reported_with_its_reason_and_retried():
 def test_prewarm_fills_the_selected_nodes_before_the_deployment_is_patched():
     m = cached(prewarm={"nodeSelector": {"pool": "h100"}})
     p = plan(m, observed(m, deployment(), prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
-    assert [a.node for a in kinds(p, FillNode)] == ["gpu-a", "gpu-b"] and kinds(p, PatchDeployment) == []
+    assert [a.node for a in kinds(p, FillNode)] == ["gpu-a", "gpu-b"] and kinds(p, PatchWorkload) == []
     assert "prewarming the node cache before the rollout: 0/2" in {c.type: c.message for c in p.status.conditions}[
         "Reconciling"]
     half = [warm("gpu-a"), FillFacts("gpu-b", DIGEST, "Running", job="llama-cache-b-0")]
     p = plan(m, observed(m, deployment(), fills=half, prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
-    assert kinds(p, PatchDeployment) == []
+    assert kinds(p, PatchWorkload) == []
     message = {c.type: c.message for c in p.status.conditions}["Reconciling"]
     assert "1/2 nodes hold the artifact (waiting for gpu-b; kubectl describe pods -l job-name=llama-cache-b-0" in message
     both = [warm(n) for n in ("gpu-a", "gpu-b")]
     p = plan(m, observed(m, deployment(), fills=both, prewarm=["gpu-a", "gpu-b"]), loader=LOADER)
-    assert len(kinds(p, PatchDeployment)) == 1 and p.status.cache.summary == "2"
+    assert len(kinds(p, PatchWorkload)) == 1 and p.status.cache.summary == "2"
     # wait: false fills alongside the rollout.
     m = cached(prewarm={"nodeSelector": {"pool": "h100"}, "wait": False})
     p = plan(m, observed(m, deployment(), prewarm=["gpu-a"]), loader=LOADER)
-    assert kinds(p, FillNode) and kinds(p, PatchDeployment)
+    assert kinds(p, FillNode) and kinds(p, PatchWorkload)
 
 
 def test_fill_jobs_of_another_digest_or_of_a_cache_turned_off_go():

@@ -5,9 +5,9 @@ import pytest
 
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import (
-    ArtifactFacts, Observed, PatchDeployment, StartStep, StepPhase, StepState, blocked, human_bytes, plan,
+    ArtifactFacts, Observed, PatchWorkload, StartStep, StepPhase, StepState, blocked, human_bytes, plan,
 )
-from ferry_operator.serving import DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, DeploymentFacts
+from ferry_operator.serving import DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, WorkloadFacts
 from ferry_operator.steps import prepare_steps, spec_digest
 from spec_cases import manifest, with_
 
@@ -69,7 +69,7 @@ def prepared(m):
 
 
 def deployment(args=VLLM_ARGS, digest=None, rolled_out=True, containers=("vllm",), annotations=None):
-    return DeploymentFacts(name="llama-70b-vllm", containers={c: list(args) for c in containers},
+    return WorkloadFacts(name="llama-70b-vllm", containers={c: list(args) for c in containers},
                            template_annotations={**({DIGEST_ANNOTATION: digest} if digest else {}),
                                                  **(annotations or {})},
                            rolled_out=rolled_out)
@@ -77,9 +77,9 @@ def deployment(args=VLLM_ARGS, digest=None, rolled_out=True, containers=("vllm",
 
 def test_prepared_artifact_patches_the_serving_deployment():
     m = mw()
-    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": deployment()}))
     (action,) = p.actions
-    assert isinstance(action, PatchDeployment) and action.name == "llama-70b-vllm"
+    assert isinstance(action, PatchWorkload) and action.name == "llama-70b-vllm"
     template = action.patch["spec"]["template"]
     assert template["metadata"]["annotations"][DIGEST_ANNOTATION] == FACTS.manifest_digest
     (c,) = template["spec"]["containers"]
@@ -100,11 +100,11 @@ def test_prepared_artifact_patches_the_serving_deployment():
 
 def test_wired_and_rolled_out_is_ready():
     m = mw()
-    first = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    first = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": deployment()}))
     args = first.actions[0].patch["spec"]["template"]["spec"]["containers"][0]["args"]
     annotations = first.actions[0].patch["spec"]["template"]["metadata"]["annotations"]
     wired = deployment(args=args, annotations=annotations)
-    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": wired}))
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": wired}))
     assert p.actions == []  # idempotent: nothing to patch again
     assert conds(p)["ServingUpdated"] == ("True", "RolledOut")
     assert conds(p)["Ready"] == ("True", "Ready")
@@ -112,17 +112,17 @@ def test_wired_and_rolled_out_is_ready():
     assert p.status.phase == "Ready"
     assert p.status.artifact.size == "3.0Gi" and p.status.artifact.tensor_parallel_size == 4
     rolling = deployment(args=args, annotations=annotations, rolled_out=False)
-    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": rolling}))
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": rolling}))
     assert p.actions == []
     assert conds(p)["ServingUpdated"] == ("False", "RollingOut") and conds(p)["Ready"][0] == "False"
 
 
 def test_a_missing_deployment_waits_and_a_missing_container_stalls():
     m = mw()
-    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": None}))
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": None}))
     assert conds(p)["ServingUpdated"] == ("False", "DeploymentNotFound") and p.actions == []
     p = plan(m, Observed(steps=prepared(m), artifact=FACTS,
-                         deployments={"llama-70b-vllm": deployment(containers=("server",))}))
+                         workloads={"llama-70b-vllm": deployment(containers=("server",))}))
     assert conds(p)["Stalled"] == ("True", "ServingError")
     stalled = next(c for c in p.status.conditions if c.type == "Stalled")
     assert "no container 'vllm'" in stalled.message and "server" in stalled.message
@@ -132,7 +132,7 @@ def test_steps_done_without_a_manifest_is_never_ready():
     m = mw()
     steps = prepare_steps(m.spec)
     p = plan(m, Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in steps}, artifact=None,
-                         deployments={"llama-70b-vllm": deployment()}))
+                         workloads={"llama-70b-vllm": deployment()}))
     assert conds(p)["Ready"][0] == "False"
     assert conds(p)["Stalled"] == ("True", "ArtifactIncomplete")
 
@@ -198,7 +198,7 @@ def test_runai_streamer_with_storage_s3_publishes_the_safetensors():
 def test_runai_streamer_from_s3_needs_no_preparation_and_streams_from_the_source():
     m = mw(manifest(source={"uri": "s3://models/qwen", "credentialsSecretRef": {"name": "s3"}}, storage=None,
                     format={"type": "runai_streamer", "runaiStreamer": {"concurrency": 32}}))
-    p = plan(m, Observed(deployments={"llama-70b-vllm": deployment()}))
+    p = plan(m, Observed(workloads={"llama-70b-vllm": deployment()}))
     (action,) = p.actions
     c = action.patch["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][c["args"].index("--model") + 1] == "s3://models/qwen"
@@ -217,10 +217,10 @@ def test_ready_clears_an_earlier_stall():
     m = mw()
     steps = prepare_steps(m.spec)
     done = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
-    stalled = plan(m, Observed(steps=done, artifact=None, deployments={"llama-70b-vllm": deployment()}))
+    stalled = plan(m, Observed(steps=done, artifact=None, workloads={"llama-70b-vllm": deployment()}))
     assert conds(stalled)["Stalled"][0] == "True"
     m2 = m.model_copy(update={"status": stalled.status})
-    first = plan(m2, Observed(steps=done, artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    first = plan(m2, Observed(steps=done, artifact=FACTS, workloads={"llama-70b-vllm": deployment()}))
     assert conds(first)["Stalled"][0] == "False"
 
 
@@ -258,7 +258,7 @@ def test_a_waiting_step_says_why_in_reconciling_without_stalling():
 
 def test_blocked_stalls_and_keeps_what_was_observed():
     m = mw()
-    ready = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": deployment()}))
+    ready = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": deployment()}))
     status = blocked(ready.status, 4, "Forbidden", "may not list pods in namespace ml")
     by_type = {c.type: c for c in status.conditions}
     assert (by_type["Stalled"].status, by_type["Stalled"].reason) == ("True", "Forbidden")
@@ -376,11 +376,11 @@ def test_a_superseded_artifact_stays_while_a_deployment_still_serves_it():
     from ferry_operator.planner import RemoveArtifact
 
     m = mw(with_("deletionPolicy", "Delete"))
-    first = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-vllm": deployment()}))
+    first = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-vllm": deployment()}))
     m.status = first.status
     m.status.artifact.spec_digest = "0" * 12  # the record of an earlier spec
     new = ArtifactFacts(uri="pvc://w/llama/new/artifact", total_bytes=1, manifest_digest="sha256:" + "1" * 64)
-    p = plan(m, Observed(steps=prepared(m), artifact=new, deployments={"llama-vllm": deployment(rolled_out=False)}))
+    p = plan(m, Observed(steps=prepared(m), artifact=new, workloads={"llama-vllm": deployment(rolled_out=False)}))
     assert conds(p)["Ready"][0] == "False"
     assert not any(isinstance(a, RemoveArtifact) for a in p.actions)
     assert [a.spec_digest for a in p.status.previous_artifacts] == ["0" * 12]  # listed, kept
@@ -389,7 +389,7 @@ def test_a_superseded_artifact_stays_while_a_deployment_still_serves_it():
 def test_a_deployment_another_modelweights_owns_is_not_wired():
     m = mw()
     owned = deployment(annotations={"ferry.dev/modelweights": "other"})
-    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": owned},
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": owned},
                          owners={"llama-70b-vllm": "other"}))
     assert p.actions == []  # neither patched nor its ServiceAccount bound
     assert conds(p)["Stalled"] == ("True", "DeploymentClaimed")
@@ -397,9 +397,9 @@ def test_a_deployment_another_modelweights_owns_is_not_wired():
     stalled = next(c for c in p.status.conditions if c.type == "Stalled")
     assert "deployment llama-70b-vllm is wired by ModelWeights other" in stalled.message
     # Once it is this one's (the other let it go), it is wired.
-    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, deployments={"llama-70b-vllm": owned},
+    p = plan(m, Observed(steps=prepared(m), artifact=FACTS, workloads={"llama-70b-vllm": owned},
                          owners={"llama-70b-vllm": "llama"}))
-    assert isinstance(p.actions[0], PatchDeployment)
+    assert isinstance(p.actions[0], PatchWorkload)
 
 
 def test_a_running_steps_report_becomes_status_progress_only_if_it_is_a_valid_progress():

@@ -104,6 +104,12 @@ def refused(kube: Kube, namespace: str, obj: dict) -> subprocess.CompletedProces
 ATTACKS = [
     ("deployment", {"serving": {"deployments": [{"name": "team-a-vllm-x"}, {"name": "team-b-vllm"}]}},
      "spec.serving.deployments[1]: user dev-a may not patch deployments/team-b-vllm in {ns}"),
+    # A LeaderWorkerSet she may not patch, though the Deployment of the same name is hers: checked by kind.
+    ("leaderworkerset", {"format": {"type": "sharded_state", "pipelineParallelSize": 2, "vllmVersion": "0.32"},
+                         "serving": {"targets": [{"kind": "Deployment", "name": "team-a-vllm-x"},
+                                                 {"kind": "LeaderWorkerSet", "name": "team-a-vllm-x",
+                                                  "groupSize": 2}]}},
+     "spec.serving.targets[1]: user dev-a may not patch leaderworkersets/team-a-vllm-x in {ns}"),
     ("source-secret", {"source": {"uri": "s3://models/llama", "credentialsSecretRef": {"name": "team-b-s3"}}},
      "spec.source.credentialsSecretRef: user dev-a may not get secrets/team-b-s3 in {ns}"),
     ("store-secret", {"format": {"type": "tensorizer"},

@@ -8,7 +8,7 @@ import pytest
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, StepPhase, StepState, plan
 from ferry_operator.serving import (
-    DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, ServingError, deployment_patch, served_model_name,
+    DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, ServingError, template_patch, served_model_name,
 )
 from ferry_operator.steps import prepare_steps
 from serving_cases import (
@@ -45,12 +45,12 @@ def test_rewiring_a_wired_container_changes_nothing(shape: Shape):
     spec, artifact = SPECS[shape.spec]
     newer = artifact.model_copy(update={"uri": artifact.uri.replace("/abc", "/xyz"), "manifest_digest":
                                         "sha256:" + "2" * 64})
-    patch = deployment_patch(spec, "llama", newer, CONTAINER, wired)
+    patch = template_patch(spec, "llama", newer, CONTAINER, wired)
     rolled = apply(wired, patch)
     assert patch["spec"]["template"]["metadata"]["annotations"][DIGEST_ANNOTATION] in (
         newer.manifest_digest, newer.uri)
     assert command_line(rolled) == command_line(wired)
-    assert deployment_patch(spec, "llama", newer, CONTAINER, rolled) is None
+    assert template_patch(spec, "llama", newer, CONTAINER, rolled) is None
 
 
 def test_a_flag_change_rewires_once_and_keeps_the_served_name():
@@ -58,12 +58,12 @@ def test_a_flag_change_rewires_once_and_keeps_the_served_name():
     _, wired = wire(shape.spec, shape_facts(shape))
     spec, artifact = SPECS[shape.spec]
     tp2 = spec.model_copy(update={"format": spec.format.model_copy(update={"tensor_parallel_size": 2})})
-    changed = apply(wired, deployment_patch(tp2, "llama", artifact, CONTAINER, wired))
+    changed = apply(wired, template_patch(tp2, "llama", artifact, CONTAINER, wired))
     command, _ = command_line(changed)
     assert "--tensor-parallel-size 2 " in command[2]
     # The user's Hub id is gone from the command line; the name Ferry chose stays.
     assert command[2].endswith("--served-model-name Qwen/Qwen2.5-7B-Instruct")
-    assert deployment_patch(tp2, "llama", artifact, CONTAINER, changed) is None
+    assert template_patch(tp2, "llama", artifact, CONTAINER, changed) is None
 
 
 def test_served_name_follows_an_hf_source_and_rolls_once():
@@ -72,13 +72,13 @@ def test_served_name_follows_an_hf_source_and_rolls_once():
     spec, artifact = SPECS["hf"]
     other = spec.model_copy(update={"source": spec.source.model_copy(
         update={"uri": "hf://meta-llama/Llama-3.1-70B-Instruct"})})
-    patch = deployment_patch(other, "llama", artifact, CONTAINER, wired)
+    patch = template_patch(other, "llama", artifact, CONTAINER, wired)
     moved = apply(wired, patch)
     _, args = command_line(moved)
     assert args[-2:] == ["--served-model-name", "meta-llama/Llama-3.1-70B-Instruct"]
     assert args.count("--served-model-name") == 1
     assert moved.template_annotations[SERVED_NAME_ANNOTATION] == "meta-llama/Llama-3.1-70B-Instruct"
-    assert deployment_patch(other, "llama", artifact, CONTAINER, moved) is None
+    assert template_patch(other, "llama", artifact, CONTAINER, moved) is None
 
 
 def test_a_served_name_the_user_sets_later_is_theirs():
@@ -169,7 +169,7 @@ def test_a_refused_shape_stalls_the_modelweights_with_what_to_do():
     done = {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}
     facts_ = ArtifactFacts(uri="pvc://llama-weights/llama/abc", total_bytes=1, manifest_digest="sha256:" + "0" * 64)
     deployment = facts(["sh", "-c", f"vllm serve {HUB_ID} | tee /log"], [])
-    p = plan(m, Observed(steps=done, artifact=facts_, deployments={"llama-70b-vllm": deployment}))
+    p = plan(m, Observed(steps=done, artifact=facts_, workloads={"llama-70b-vllm": deployment}))
     stalled = next(c for c in p.status.conditions if c.type == "Stalled")
     assert (stalled.status, stalled.reason) == ("True", "ServingError")
     assert "`sh -c` script in command" in stalled.message and "run vLLM directly" in stalled.message

@@ -12,7 +12,7 @@ import pytest
 from ferry_operator.events import transitions
 from ferry_operator.planner import ArtifactFacts, Observed, StepPhase, StepState, plan
 from ferry_operator.serving import deployment_facts
-from ferry_operator.serving_diagnosis import deployment_of, pod_trouble
+from ferry_operator.serving_diagnosis import pod_trouble, workload_of
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import pod_facts
 
@@ -44,10 +44,24 @@ VLLM_ERROR = ("Traceback (most recent call last):\n  File \"/usr/bin/vllm\", lin
 
 
 def test_the_deployment_is_read_from_the_replicaset_and_the_template_hash():
-    assert deployment_of(pod()) == NAME
+    assert workload_of(pod()) == NAME
     orphan = pod()
     orphan["metadata"]["ownerReferences"] = []
-    assert deployment_of(orphan) == ""
+    assert workload_of(orphan) == ""
+
+
+def test_statefulset_and_leaderworkerset_pods_are_filed_under_their_workload():
+    sts = pod()
+    sts["metadata"]["ownerReferences"] = [{"kind": "StatefulSet", "name": "llama", "controller": True}]
+    assert workload_of(sts) == "statefulset/llama"
+    # An LWS worker pod is owned by its group's worker StatefulSet (llama-0); LWS labels every pod with its name.
+    worker = pod()
+    worker["metadata"]["ownerReferences"] = [{"kind": "StatefulSet", "name": "llama-0", "controller": True}]
+    worker["metadata"]["labels"] = {"leaderworkerset.sigs.k8s.io/name": "llama"}
+    assert workload_of(worker) == "leaderworkerset/llama"
+    worker["status"]["containerStatuses"] = [waiting("ErrImageNeverPull", "not present with pull policy of Never")]
+    trouble = pod_trouble(worker)
+    assert "(leaderworkerset llama)" in trouble.message and "in leaderworkerset llama" in trouble.message
 
 
 @pytest.mark.parametrize("status, reason, stalls, words", [

@@ -5,8 +5,8 @@ import json
 from dataclasses import replace
 
 from ferry_operator.api.validation import parse
-from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
-from ferry_operator.serving import DeploymentFacts, deployment_facts
+from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
+from ferry_operator.serving import WorkloadFacts, deployment_facts
 from ferry_operator.serving_loader import GATE, LOADER_CONTAINER, TOKEN_VOLUME, LoaderSettings, health_probe
 from ferry_operator.steps import prepare_steps
 from ferry_operator.weights_loaded import PodFacts, pod_facts, summarize
@@ -25,24 +25,24 @@ def mw(**spec):
     return parse({**obj, "metadata": {**obj["metadata"], "generation": 2}})
 
 
-def observed(m, dep: DeploymentFacts, pods=()) -> Observed:
+def observed(m, dep: WorkloadFacts, pods=()) -> Observed:
     return Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=FACTS,
-                    deployments={NAME: dep}, pods=list(pods))
+                    workloads={NAME: dep}, pods=list(pods))
 
 
 def conds(p):
     return {c.type: (c.status, c.reason, c.message) for c in p.status.conditions}
 
 
-def deployment(**kw) -> DeploymentFacts:
-    base = DeploymentFacts(name=NAME, containers={"vllm": ["--model", "meta-llama/Meta-Llama-3-70B-Instruct",
+def deployment(**kw) -> WorkloadFacts:
+    base = WorkloadFacts(name=NAME, containers={"vllm": ["--model", "meta-llama/Meta-Llama-3-70B-Instruct",
                                                             "--port", "8080"]},
                            template_annotations={}, rolled_out=True, readiness_gates=["example.com/lb-ready"],
                            service_account="serving", replicas=2)
     return replace(base, **kw)
 
 
-def applied(current: DeploymentFacts, patch: dict) -> DeploymentFacts:
+def applied(current: WorkloadFacts, patch: dict) -> WorkloadFacts:
     """The fields Ferry reads, after the API server's strategic merge of `patch`."""
     pod = patch["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -65,7 +65,7 @@ def test_the_gate_wires_the_loader_the_gate_the_token_and_a_health_probe():
     m = mw()
     p = plan(m, observed(m, deployment()), loader=LOADER)
     (action,) = p.actions
-    assert isinstance(action, PatchDeployment) and action.reporter_service_account == "serving"
+    assert isinstance(action, PatchWorkload) and action.reporter_service_account == "serving"
     pod = action.patch["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["name"] == LOADER_CONTAINER and init["image"] == LOADER.image and init["command"] == ["ferry"]
@@ -135,7 +135,7 @@ def test_turning_the_gate_off_removes_the_loader_and_keeps_the_users_gates():
 
 def test_streaming_from_the_source_has_no_manifest_so_no_gate():
     m = mw(source={"uri": "s3://models/qwen"}, storage=None, format={"type": "runai_streamer"})
-    o = Observed(steps={}, artifact=None, deployments={NAME: deployment()})
+    o = Observed(steps={}, artifact=None, workloads={NAME: deployment()})
     (action,) = plan(m, o, loader=LOADER).actions
     assert "initContainers" not in action.patch["spec"]["template"]["spec"] and action.reporter_service_account is None
 
@@ -197,7 +197,7 @@ def test_tensorizer_from_s3_is_wired_with_the_uri_readers_and_key_without_secret
                                                    "credentialsSecretRef": {"name": "store"}}})
     artifact = ArtifactFacts(uri="s3://bucket/x/ns/llama/abc", total_bytes=1, manifest_digest=DIGEST)
     o = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=artifact,
-                 deployments={NAME: deployment()})
+                 workloads={NAME: deployment()})
     (action,) = plan(m, o, loader=LOADER).actions
     pod = action.patch["spec"]["template"]["spec"]
     c = pod["containers"][0]

@@ -13,7 +13,8 @@ import pytest
 
 from ferry_operator.api.types import Artifact
 from ferry_operator.api.validation import parse
-from ferry_operator.serving import deployment_facts, deployment_patch
+from ferry_operator import strategic
+from ferry_operator.serving import Group, deployment_facts, template_facts, template_patch
 from ferry_operator.serving_loader import LoaderSettings
 from spec_cases import manifest, with_
 
@@ -41,7 +42,7 @@ def test_turning_the_node_cache_on_and_off_under_an_s3_artifact_merges_cleanly(k
 
     def wire(cache: bool) -> dict:
         current = deployment_facts(kube.get_json("deployment", "vllm", "-n", namespace))
-        patch = deployment_patch(spec(cache), "llama", ARTIFACT, "vllm", current,
+        patch = template_patch(spec(cache), "llama", ARTIFACT, "vllm", current,
                                  LoaderSettings(image="ferry.local/ferry:dev"))
         assert patch is not None
         kube.kubectl("patch", "deployment", "vllm", "-n", namespace, "--type=strategic", "-p", json.dumps(patch))
@@ -69,3 +70,50 @@ def test_turning_the_node_cache_on_and_off_under_an_s3_artifact_merges_cleanly(k
     assert not [v for v in again["volumes"] if v["name"] == "ferry-weights"]
     assert "/ferry/weights" not in [m["mountPath"] for m in init["volumeMounts"] + (vllm.get("volumeMounts") or [])]
     assert "AWS_ACCESS_KEY_ID" in aws(vllm) and any(a.startswith("s3://") for a in vllm["args"])
+
+
+def _normalized(template: dict) -> dict:
+    """The template with every list strategic merge keys sorted by its key: the API server's merge may
+    order new elements differently, which changes nothing a pod does."""
+    def walk(value, key=None):
+        if isinstance(value, dict):
+            return {k: walk(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            items = [walk(v) for v in value]
+            if key in strategic.MERGE_KEYS:
+                items.sort(key=lambda item: str(item.get(strategic.MERGE_KEYS[key])))
+            return items
+        return value
+    return walk(template)
+
+
+def test_the_local_strategic_merge_equals_the_api_servers(kube, namespace):
+    """A LeaderWorkerSet's templates get Ferry's patches merged locally (strategic.py). The same sequence of
+    patches (the node cache's on/off swap under S3, then a group's wiring with its env, flags and loader
+    arguments), applied by the real API server to a Deployment's template and locally to the template it had
+    before each, gives the same template once both go through the API server's defaulting."""
+    start = {"metadata": {"labels": {"app": "vllm"}},
+             "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "command": ["vllm", "serve"],
+                                      "args": ["meta-llama/Meta-Llama-3-8B", "--headless"],
+                                      "env": [{"name": "KEEP", "value": "1"}]}]}}
+
+    def deployment(name: str, template: dict) -> dict:
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "vllm"}}, "template": template}}
+
+    def defaulted(template: dict) -> dict:
+        out = kube.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                           input=json.dumps(deployment("dry", template))).stdout
+        return _normalized(json.loads(out)["spec"]["template"])
+
+    kube.apply(deployment("vllm", start))
+    group = Group(2, "leaderworkerset.sigs.k8s.io/worker-index", "$(LWS_LEADER_ADDRESS)", headless=True)
+    for cache, grouped in ((False, None), (True, None), (False, group), (True, group)):
+        before = kube.get_json("deployment", "vllm", "-n", namespace)["spec"]["template"]
+        patch = template_patch(spec(cache), "llama", ARTIFACT, "vllm", template_facts("vllm", before),
+                               LoaderSettings(image="ferry.local/ferry:dev"), grouped)
+        assert patch is not None
+        kube.kubectl("patch", "deployment", "vllm", "-n", namespace, "--type=strategic", "-p", json.dumps(patch))
+        server = kube.get_json("deployment", "vllm", "-n", namespace)["spec"]["template"]
+        local = strategic.apply(before, patch["spec"]["template"])
+        assert defaulted(local) == _normalized(server), (cache, grouped)

@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from serving_cases import (HUB_ID, MOUNT, PARALLELISM_FLAGS, SHAPES, SPECS, Shape, command_line, facts,
+from ferry_operator.api.validation import parse
+from ferry_operator.serving import GROUP_INDEX_ENV, template_patch
+from ferry_operator.workloads import groups_of, leaderworkerset_facts
+from serving_cases import (CONTAINER, HUB_ID, MOUNT, PARALLELISM_FLAGS, SHAPES, SPECS, Shape, command_line, facts,
                            shape_facts, wire)
+from spec_cases import manifest
+
+PP_FORMAT = {"type": "sharded_state", "tensorParallelSize": 2, "pipelineParallelSize": 2, "vllmVersion": "0.32"}
 
 SCRIPT = Path(__file__).with_name("vllm_serve_args.py")
 # The vllm/vllm-openai image's entrypoint: `vllm serve` today, the api_server module before.
@@ -40,6 +47,31 @@ def exec_argv(argv: list[str], bin_dir: Path, out: Path) -> list[str]:
 
 
 CASES = [(f"{s.id}@{e}" if e else s.id, s) for s in RUNNABLE for e in (s.entrypoints or [""])]
+
+# A LeaderWorkerSet of groups of 2 pods serving a TP 2 x PP 2 artifact: the leader (index 0) and a worker.
+GROUP_PODS = (("leader", 0), ("worker", 1))
+LEADER_ADDRESS = "llama-0.llama.ml"  # what LWS's pod webhook sets LWS_LEADER_ADDRESS to
+
+
+def kubelet_expand(words: list[str], env: dict[str, str]) -> list[str]:
+    """`$(VAR)` in command/args, as the kubelet expands it from the container's env."""
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), w) for w in words]
+
+
+def group_argv(role: str, index: int) -> list[str]:
+    """The argv vLLM gets in pod `index` of a group, from the template Ferry wired for `role`."""
+    spec = parse(manifest(format=PP_FORMAT, serving={"targets": [
+        {"kind": "LeaderWorkerSet", "name": "llama", "groupSize": 2}]})).spec
+    template = {"spec": {"containers": [{"name": CONTAINER, "command": ["vllm", "serve"],
+                                         "args": [HUB_ID, "--max-model-len", "8192"]}]}}
+    facts = leaderworkerset_facts({"metadata": {"name": "llama"}, "spec": {"leaderWorkerTemplate": {
+        "size": 2, "leaderTemplate": template, "workerTemplate": template}}})
+    workers, leader = groups_of(spec.serving.targets[0], facts)
+    current, group = (facts.leader, leader) if role == "leader" else (facts, workers)
+    patch = template_patch(spec, "llama", SPECS["hf-pp"][1], CONTAINER, current, None, group)
+    (vllm,) = [c for c in patch["spec"]["template"]["spec"]["containers"] if c["name"] == CONTAINER]
+    env = {GROUP_INDEX_ENV: str(index), "LWS_LEADER_ADDRESS": LEADER_ADDRESS}
+    return kubelet_expand(["vllm", "serve", *vllm["args"]], env)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +97,8 @@ def vllm_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     argvs["late-positional"] = sum(command_line(late), [])
     for i, (flags, _) in enumerate(PARALLELISM_FLAGS):
         argvs[f"parallelism-{i}"] = ["vllm", "serve", MOUNT, *flags]
+    for role, index in GROUP_PODS:
+        argvs[f"group-{role}"] = group_argv(role, index)
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.run([vllm_python, str(SCRIPT), json.dumps(list(argvs.values()))], capture_output=True,
                           text=True, env=env, cwd=root, timeout=600)
@@ -119,3 +153,19 @@ def test_ferry_reads_data_parallelism_and_eplb_as_vllm_does(vllm_results, i: int
     got = vllm_results[f"parallelism-{i}"]
     assert "error" not in got, f"vLLM refused {got['argv']}: {got['error']}"
     assert (got["data_parallel_size"] > 1 or got["enable_eplb"]) == refused, got
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("role,index", GROUP_PODS)
+def test_each_pod_of_a_group_gets_vllms_multi_node_launch(vllm_results, role: str, index: int):
+    """What vLLM makes of the command line Ferry wires into a LeaderWorkerSet's leader and worker templates,
+    once the kubelet expanded $(FERRY_GROUP_INDEX) (the pod's worker-index label) and $(LWS_LEADER_ADDRESS)
+    (LWS's webhook): the artifact, TP 2 x PP 2 over --nnodes 2, this pod's --node-rank, the leader's
+    address, and --headless on the worker only."""
+    got = vllm_results[f"group-{role}"]
+    assert "error" not in got, f"vLLM refused {got['argv']}: {got['error']}"
+    assert (got["model"], got["load_format"]) == (MOUNT, "sharded_state")
+    assert (got["tensor_parallel_size"], got["pipeline_parallel_size"]) == (2, 2)
+    assert (got["nnodes"], got["node_rank"], got["master_addr"]) == (2, index, LEADER_ADDRESS)
+    assert got["headless"] is (role == "worker")
+    assert got["served_model_name"] in (HUB_ID, [HUB_ID])

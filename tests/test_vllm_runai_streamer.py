@@ -22,7 +22,7 @@ extra as runai-model-streamer[s3]==0.17.1), nothing for other releases or GPUs.
    step Succeeded, those facts and a Deployment running `vllm serve
    ferry-test/llama-gqa-kv1 --max-model-len 256`, with the loader settings the
    operator runs with (so the `ferry-load` init container is there). From the
-   PatchDeployment: the vLLM container's command + args and env, and the init
+   PatchWorkload: the vLLM container's command + args and env, and the init
    container's args and env. The env is resolved as the kubelet resolves it:
    `value` as is, `valueFrom.secretKeyRef` from the Secret (a dict holding the
    server's access and secret key; a missing key of an optional ref is left
@@ -101,7 +101,7 @@ from ferry_operator.executors.cache_fill import SLOT_MOUNT, fill_job_manifest
 from ferry_operator.executors.jobs import WorkerSettings
 from ferry_operator.serving import MOUNT_PATH
 from ferry_operator.api.validation import parse
-from ferry_operator.planner import ArtifactFacts, Observed, PatchDeployment, StepPhase, StepState, plan
+from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
 from ferry_operator.serving_loader import LOADER_CONTAINER, TOKEN_DIR, TOKEN_VOLUME, LoaderSettings
 from ferry_operator.locations import s3_artifact_uri
 from ferry_operator.steps import prepare_steps
@@ -248,10 +248,10 @@ def wire(pub: Published, tp: int, node_cache: bool = False) -> Wired:
     mw = model_weights(pub.s3, pub.original, tp, node_cache)
     current = facts(["vllm", "serve"], USER_ARGS, name=DEPLOYMENT)
     observed = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(mw.spec)},
-                        artifact=pub.facts, deployments={DEPLOYMENT: current},
+                        artifact=pub.facts, workloads={DEPLOYMENT: current},
                         fills=[] if node_cache else None)  # the kubernetes executor's (no fill yet)
     p = plan(mw, observed, loader=LOADER)
-    (action,) = [a for a in p.actions if isinstance(a, PatchDeployment)]
+    (action,) = [a for a in p.actions if isinstance(a, PatchWorkload)]
     assert action.name == DEPLOYMENT
     assert p.status.artifact.uri == pub.facts.uri and p.status.artifact.manifest_digest == pub.facts.manifest_digest
     pod = action.patch["spec"]["template"]["spec"]

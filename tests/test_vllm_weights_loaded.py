@@ -6,7 +6,7 @@ Proven on vLLM 0.32.0 only: the one release installable here
 1. Ferry's serving patch, applied for real. A ModelWeights spec for
    `sharded_state`, tensorParallelSize 2; a small generated Llama (GQA, one KV
    head, bf16, two source files: test_shard_vllm.py's LLAMA_GQA) cut by
-   `ferry shard`; the container command + args `serving.deployment_patch`
+   `ferry shard`; the container command + args `serving.template_patch`
    writes into a Deployment running `vllm serve ferry-test/llama-gqa-kv1
    --max-model-len 256`, with `/ferry/weights` mapped to the directory the
    patch's own hostPath volume mounts there (the local executor's `file://`
@@ -63,7 +63,7 @@ import pytest
 
 from ferry_operator.api.types import Artifact
 from ferry_operator.api.validation import parse
-from ferry_operator.serving import MOUNT_PATH, VOLUME_NAME, deployment_patch
+from ferry_operator.serving import MOUNT_PATH, VOLUME_NAME, template_patch
 
 from checkpoints import write_checkpoint
 from serving_cases import CONTAINER, apply, command_line, facts
@@ -121,7 +121,7 @@ def wired_command_line(prepared: Prepared) -> tuple[list[str], dict]:
     artifact = Artifact(uri=f"file://{prepared.artifact}", format="sharded_state", tensor_parallel_size=TP,
                         vllm_version="0.32.0", manifest_digest=prepared.digest)
     current = facts(["vllm", "serve"], USER_ARGS, name="tiny-llama-vllm")
-    patch = deployment_patch(spec, "tiny-llama", artifact, CONTAINER, current)
+    patch = template_patch(spec, "tiny-llama", artifact, CONTAINER, current)
     assert patch is not None
     command, args = command_line(apply(current, patch))
     return command + args, patch

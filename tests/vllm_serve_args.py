@@ -94,6 +94,11 @@ def resolve(argv: list[str]) -> dict:
         "data_parallel_size": engine.data_parallel_size,
         "enable_eplb": engine.enable_eplb,
         "port": getattr(args, "port", None),
+        # vLLM's multiprocessing multi-node launch (LeaderWorkerSet / StatefulSet groups).
+        "nnodes": engine.nnodes,
+        "node_rank": engine.node_rank,
+        "master_addr": engine.master_addr,
+        "headless": bool(getattr(args, "headless", False)),
     }
 
 

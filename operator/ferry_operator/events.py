@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .api.types import ConditionType, ModelWeightsStatus
 from .conditions import get_condition
-from .planner import PatchDeployment, RemoveArtifact, RetryStep, StartStep
+from .planner import PatchWorkload, RemoveArtifact, RetryStep, StartStep
 from .serving_diagnosis import WAITING_REASONS
 
 NORMAL, WARNING = "Normal", "Warning"
@@ -87,7 +87,7 @@ def _cache_evictions(before: ModelWeightsStatus | None, after: ModelWeightsStatu
 
 
 def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
-                actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact]) -> list[Event]:
+                actions: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact]) -> list[Event]:
     events = []
     if _turned(before, after, ConditionType.DOWNLOADED, "True"):
         events.append(Event(NORMAL, "StepSucceeded", "step fetch succeeded: weights fetched and verified"))
@@ -100,7 +100,7 @@ def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
         elif isinstance(action, RemoveArtifact):
             events.append(Event(NORMAL, "ArtifactRemoved",
                                 f"superseded artifact {action.artifact.uri} removed (deletionPolicy)"))
-        elif isinstance(action, PatchDeployment):
+        elif isinstance(action, PatchWorkload):
             events.append(Event(NORMAL, "DeploymentPatched", f"deployment {action.name} wired to the artifact"))
     if _turned(before, after, ConditionType.PREPARED, "True"):
         prepared = get_condition(after.conditions, ConditionType.PREPARED)

@@ -26,22 +26,24 @@ from typing import Any, Protocol
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import metrics
+from . import metrics, workload_api
 from .admission_policies import PolicyGuard, policy_names
-from .api.types import GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus
+from .api.types import (GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus, WorkloadKind,
+                        target_key)
 from .api.validation import InvalidSpec, parse
 from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
 from .node_cache import FillNode, RemoveFill
-from .planner import (ArtifactFacts, Observed, PatchDeployment, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
+from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
-from .serving import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, DeploymentFacts, cache_evicted_label,
+from .serving import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts, cache_evicted_label,
                       cache_label, deployment_facts)
 from .serving_loader import REPORTER_CLUSTER_ROLE, LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .ownership import Wirer, owner_of
 from .wakeups import Wakeups, sleep
 from .weights_loaded import PodFacts, pod_facts
+from .workloads import APIS, leaderworkerset_facts, statefulset_facts
 
 # While a step runs or a rollout is under way: a poll behind the watch events
 # (a local worker that outlived a restarted operator sends none).
@@ -57,6 +59,10 @@ RETRIES = RetryPolicy(limit=int(os.environ.get("FERRY_RETRY_LIMIT", "3")),
 REQUESTED_AT = "ferry.dev/requested-at"
 # Superseded artifacts deletionPolicy Retain keeps (the newest ones); older ones are removed.
 KEEP_PREVIOUS = int(os.environ.get("FERRY_RETAIN_PREVIOUS_ARTIFACTS", "1"))
+LWS = APIS[WorkloadKind.LEADER_WORKER_SET.value]
+# The kopf index that holds each workload kind's facts (the handlers below).
+WORKLOAD_INDEXES = {WorkloadKind.DEPLOYMENT.value: "deployments", WorkloadKind.STATEFUL_SET.value: "statefulsets",
+                    WorkloadKind.LEADER_WORKER_SET.value: "leaderworkersets"}
 log = logging.getLogger("ferry_operator")
 
 
@@ -162,20 +168,40 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.index("apps", "v1", "deployments")
-async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], DeploymentFacts]:
+async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], WorkloadFacts]:
     """Deployments in the watched namespaces, fed by a watch: reading one costs
     the API server nothing, so an idle Ready ModelWeights costs it nothing."""
     return {(namespace, name): deployment_facts(body)}
 
 
+@kopf.index("apps", "v1", "statefulsets")
+async def statefulsets(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], WorkloadFacts]:
+    """StatefulSets in the watched namespaces, filed by ServingTarget.key."""
+    return {(namespace, target_key(WorkloadKind.STATEFUL_SET.value, name)): statefulset_facts(body)}
+
+
+@kopf.index(LWS.group, LWS.version, LWS.plural)
+async def leaderworkersets(namespace: str, name: str, body: kopf.Body,
+                           **_: Any) -> dict[tuple[str, str], WorkloadFacts]:
+    """LeaderWorkerSets (kubernetes-sigs/lws; watched once its CRD exists), filed by ServingTarget.key."""
+    return {(namespace, target_key(WorkloadKind.LEADER_WORKER_SET.value, name)): leaderworkerset_facts(body)}
+
+
+def _wired_keys(spec: Any) -> list[str]:
+    """The ServingTarget.key of every workload a ModelWeights' spec lists (from the raw body)."""
+    serving = (spec or {}).get("serving") or {}
+    keys = [d["name"] for d in serving.get("deployments") or [] if d.get("name")]
+    return keys + [target_key(t.get("kind") or WorkloadKind.DEPLOYMENT.value, t["name"])
+                   for t in serving.get("targets") or [] if t.get("name")]
+
+
 @kopf.index(GROUP, VERSION, PLURAL)
 async def wirings(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[tuple[str, str], Wirer]:
-    """Which ModelWeights list which Deployments: who owns one that several name.
+    """Which ModelWeights list which workloads: who owns one that several name.
     One being deleted lists none: it lets go at once, not when its finalizer is gone."""
     if meta.get("deletionTimestamp"):
         return {}
-    refs = (spec.get("serving") or {}).get("deployments") or []
-    return {(namespace, r["name"]): Wirer(meta.get("creationTimestamp") or "", name) for r in refs if r.get("name")}
+    return {(namespace, key): Wirer(meta.get("creationTimestamp") or "", name) for key in _wired_keys(spec)}
 
 
 @kopf.index("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
@@ -267,6 +293,16 @@ async def deployment_changed(namespace: str, name: str, **_: Any) -> None:
     WAKEUPS.wake_wirers((namespace, name))
 
 
+@kopf.on.event("apps", "v1", "statefulsets")
+async def statefulset_changed(namespace: str, name: str, **_: Any) -> None:
+    WAKEUPS.wake_wirers((namespace, target_key(WorkloadKind.STATEFUL_SET.value, name)))
+
+
+@kopf.on.event(LWS.group, LWS.version, LWS.plural)
+async def leaderworkerset_changed(namespace: str, name: str, **_: Any) -> None:
+    WAKEUPS.wake_wirers((namespace, target_key(WorkloadKind.LEADER_WORKER_SET.value, name)))
+
+
 class IndexView:
     """The kubernetes executor's view of Jobs and pods, from the indexes above."""
 
@@ -282,21 +318,6 @@ class IndexView:
 
     def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]:
         return list(self._fills.get((namespace, mw_name), [])) if self._fills is not None else []
-
-
-def read_deployment(namespace: str, name: str, index: Any = None) -> DeploymentFacts | None:
-    if index is not None:
-        found = list(index.get((namespace, name), []))
-        return found[-1] if found else None
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        raw = APPS.read_namespaced_deployment(name, namespace, _preload_content=False)
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return deployment_facts(json.loads(raw.data))
 
 
 def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str, Any]:
@@ -347,8 +368,8 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
     key = (namespace, name)
     wake = WAKEUPS.register(key)
     loop = asyncio.get_running_loop()
-    indexes = {k: kwargs.get(k) for k in ("deployments", "serving_pods", "prepare_jobs", "prepare_pods", "wirings",
-                                          "fill_jobs", "cache_nodes")}
+    indexes = {k: kwargs.get(k) for k in ("deployments", "statefulsets", "leaderworkersets", "serving_pods",
+                                          "prepare_jobs", "prepare_pods", "wirings", "fill_jobs", "cache_nodes")}
     patched: dict[str, Any] | None = None
     failures = 0
     try:
@@ -391,11 +412,11 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
         # kopf passes each index under its handler's name.
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
             EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"], indexes.get("fill_jobs"))
-        result, patch, delay = _reconcile_and_report(body, namespace, name, uid, indexes.get("deployments"),
+        workload_indexes = {kind: indexes.get(index) for kind, index in WORKLOAD_INDEXES.items()}
+        result, patch, delay = _reconcile_and_report(body, namespace, name, uid, workload_indexes,
                                                      indexes.get("serving_pods"), indexes.get("wirings"),
                                                      indexes.get("cache_nodes"))
-        wired = [d.get("name") for d in ((body.get("spec") or {}).get("serving") or {}).get("deployments") or []]
-        WAKEUPS.record((namespace, name), _inputs(body), [w for w in wired if w])
+        WAKEUPS.record((namespace, name), _inputs(body), _wired_keys(body.get("spec")))
     finally:
         metrics.RECONCILES.labels(result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
@@ -421,7 +442,7 @@ def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str,
 
 
 def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
-                          deployment_index: Any, pod_index: Any = None,
+                          workload_indexes: dict[str, Any] | None, pod_index: Any = None,
                           wiring_index: Any = None,
                           node_labels: dict[str, dict[str, str]] | None = None) -> tuple[str, dict[str, Any], float]:
     """(result for the metrics, the status merge patch, seconds until the next look)."""
@@ -435,10 +456,10 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
         status = blocked(before, body["metadata"].get("generation", 0), type(exc).__name__, str(exc))
         _report(body, uid, None, transitions(before, status, []), status)
         return "ok", _status_patch(raw_status, status), _next_look(None, False)  # only a spec change helps
-    actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact] = []
+    actions: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact] = []
     result = "ok"
     try:
-        status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, deployment_index, pod_index,
+        status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, workload_indexes, pod_index,
                                            wiring_index, node_labels)
         delay = _next_look(requeue_after, bool(actions))
     except ApiException as exc:
@@ -487,14 +508,14 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 
 
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
-               done: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact],
-               deployment_index: Any = None, pod_index: Any = None,
+               done: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact],
+               workload_indexes: dict[str, Any] | None = None, pod_index: Any = None,
                wiring_index: Any = None,
                node_labels: dict[str, dict[str, str]] | None = None) -> tuple[ModelWeightsStatus, float | None]:
     """Observe, plan, act; the status the planner computed and when to look
     again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
-    refs = mw.spec.serving.deployments if mw.spec.serving else []
+    targets = mw.spec.serving.workloads() if mw.spec.serving else []
     recorded = recorded_artifact(mw, steps, EXECUTOR.artifact_uri(mw, steps[-1]) if steps else None)
     if recorded is not None:
         # The status is the source of truth once it records the artifact: the
@@ -502,14 +523,15 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         step_states = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
     else:
         step_states = {s.id: EXECUTOR.observe(mw, s) for s in steps}
-    deployments = {r.name: read_deployment(namespace, r.name, deployment_index) for r in refs}
+    workloads = {t.key: workload_api.read(APPS, CUSTOM, namespace, t, (workload_indexes or {}).get(t.kind))
+                 for t in targets}
     observed = Observed(
         steps=step_states,
         artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
-        deployments=deployments,
+        workloads=workloads,
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
         pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
-        owners=deployment_owners(mw, deployments, wiring_index),
+        owners=workload_owners(mw, workloads, wiring_index),
         fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
         prewarm_nodes=prewarm_nodes(mw),
         cache_nodes=dict(node_labels or {}),
@@ -545,12 +567,11 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round)
         elif isinstance(action, RemoveFill):
             EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
-        elif isinstance(action, PatchDeployment):
-            log.info("%s/%s: wiring deployment %s", namespace, name, action.name)
+        elif isinstance(action, PatchWorkload):
+            log.info("%s/%s: wiring %s %s", namespace, name, action.kind.lower(), action.name)
             if action.reporter_service_account:
                 ensure_reporter(namespace, action.reporter_service_account)
-            APPS.patch_namespaced_deployment(action.name, namespace, action.patch,
-                                             _content_type="application/strategic-merge-patch+json")
+            workload_api.patch(APPS, CUSTOM, namespace, action)
         done.append(action)
     return result.status, result.requeue_after
 
@@ -569,12 +590,13 @@ class PoliciesNotEnforced(Exception):
     """Ferry's admission policies are missing or not enforced: the operator does nothing."""
 
 
-def deployment_owners(mw: ModelWeights, deployments: dict[str, DeploymentFacts | None],
-                      wiring_index: Any) -> dict[str, str]:
-    """Who owns each Deployment this ModelWeights names (itself included: the index may lag its own creation)."""
+def workload_owners(mw: ModelWeights, workloads: dict[str, WorkloadFacts | None],
+                    wiring_index: Any) -> dict[str, str]:
+    """Who owns each workload this ModelWeights names, by key (itself included: the index may lag its own
+    creation)."""
     me = Wirer((mw.metadata.model_extra or {}).get("creationTimestamp") or "", mw.metadata.name or "")
     owners = {}
-    for name, facts in deployments.items():
+    for name, facts in workloads.items():
         if facts is None:
             continue
         listed = list(wiring_index.get((mw.metadata.namespace, name), [])) if wiring_index is not None else []

@@ -14,14 +14,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
-                        Progress, StepRetry)
+                        Progress, ServingTarget, StepRetry)
 from .conditions import get_condition, now, phase_of, set_condition
 from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, cache_plan
-from .serving import DeploymentFacts, ServingError, deployment_patch, loader_applies, node_cache_on
+from .serving import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
 from .serving_loader import LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .serving_diagnosis import WAITING_REASONS, PodTrouble
 from .weights_loaded import PodFacts, summarize
+from .workloads import groups_of
 
 
 INT64_MAX = 2**63 - 1
@@ -70,7 +71,7 @@ class ArtifactFacts:
 class Observed:
     steps: dict[str, StepState] = field(default_factory=dict)  # by Step.id
     artifact: ArtifactFacts | None = None  # the artifact of the current spec, once complete
-    deployments: dict[str, DeploymentFacts | None] = field(default_factory=dict)  # None: not found
+    workloads: dict[str, WorkloadFacts | None] = field(default_factory=dict)  # by ServingTarget.key; None: not found
     requested_at: str | None = None  # the ferry.dev/requested-at annotation
     pods: list[PodFacts] = field(default_factory=list)  # serving pods wired for this ModelWeights
     # Deployment name -> the ModelWeights that owns it (ownership.owner_of), for those several name.
@@ -116,16 +117,19 @@ class RemoveArtifact:
 
 
 @dataclass(frozen=True)
-class PatchDeployment:
+class PatchWorkload:
     name: str
-    patch: dict
+    patch: dict | None  # strategic merge of the pod template ({"spec": {"template": ...}}); None: unchanged
     # The pods' loader reports with this ServiceAccount's token: bind it the reporter role first.
     reporter_service_account: str | None = None
+    kind: str = "Deployment"
+    # A LeaderWorkerSet's leaderTemplate, patched the same way (None: unchanged, or none).
+    leader_patch: dict | None = None
 
 
 @dataclass
 class Plan:
-    actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact | FillNode | RemoveFill]
+    actions: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact | FillNode | RemoveFill]
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
@@ -339,8 +343,8 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
            keep_previous: int) -> Plan:
     """Wire each Deployment, follow its rollout and its pods' loaders; Ready once all serve the artifact."""
     status = draft.status
-    refs = mw.spec.serving.deployments if mw.spec.serving else []
-    gated = bool(refs) and loader_applies(mw.spec, facts, loader)
+    targets = mw.spec.serving.workloads() if mw.spec.serving else []
+    gated = bool(targets) and loader_applies(mw.spec, facts, loader)
     actions: list = []
     waiting: list[str] = []
     cache = _node_cache(mw, observed, facts, draft)
@@ -349,27 +353,27 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
     if cache is not None:
         actions += cache.actions
         waiting += cache.notes
-    for ref in refs:
-        current = observed.deployments.get(ref.name)
+    for target in targets:
+        current = observed.workloads.get(target.key)
         if current is None:
-            waiting.append(f"deployment {ref.name} not found")
+            waiting.append(f"{target.describe()} not found")
             continue
-        owner = observed.owners.get(ref.name, mw.metadata.name)
+        owner = observed.owners.get(target.key, mw.metadata.name)
         if owner != mw.metadata.name:
-            message = (f"deployment {ref.name} is wired by ModelWeights {owner}; remove it from {owner}'s "
-                       f"serving.deployments (or delete {owner}) and Ferry wires it for {mw.metadata.name}")
+            message = (f"{target.describe()} is wired by ModelWeights {owner}; remove it from {owner}'s "
+                       f"serving (or delete {owner}) and Ferry wires it for {mw.metadata.name}")
             return draft.stalled("DeploymentClaimed", message, facts, ConditionType.SERVING_UPDATED)
         try:
-            patch = deployment_patch(mw.spec, mw.metadata.name or "", facts, ref.container, current, loader)
+            patch = _wire(mw, facts, target, current, loader, gated)
         except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
             return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
         if patch is not None and cache is not None and cache.hold:
-            waiting.append(f"deployment {ref.name} waits: {cache.hold}")
+            waiting.append(f"{target.describe()} waits: {cache.hold}")
         elif patch is not None:
-            actions.append(PatchDeployment(ref.name, patch, current.service_account if gated else None))
-            waiting.append(f"deployment {ref.name} patched")
+            actions.append(patch)
+            waiting.append(f"{target.describe()} patched")
         elif not current.rolled_out:
-            waiting.append(f"deployment {ref.name} rolling out")
+            waiting.append(f"{target.describe()} rolling out")
     loading_only = False
     status.loaded = None
     if gated:
@@ -381,13 +385,16 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             waiting.append(loading)
     else:
         draft.conditions = [c for c in draft.conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
-    trouble = _serving_trouble(observed, facts, refs) if waiting else None
+    trouble = _serving_trouble(observed, facts, targets) if waiting else None
     if trouble is not None and trouble.stalls and not actions:
         return draft.stalled(trouble.reason, "; ".join([*waiting, trouble.message]), facts,
                              ConditionType.SERVING_UPDATED)
     draft.clear_stalled()
     if waiting:
         reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
+        if reason == "DeploymentNotFound" and not any(w.startswith("deployment ") and "not found" in w
+                                                      for w in waiting):
+            reason = "WorkloadNotFound"
         if loading_only:
             reason = "WeightsLoading"
         if trouble is not None:
@@ -395,6 +402,21 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
         return draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
     return _ready(mw, facts, draft, keep_previous)
+
+
+def _wire(mw: ModelWeights, facts: Artifact, target: ServingTarget, current: WorkloadFacts,
+          loader: LoaderSettings | None, gated: bool) -> PatchWorkload | None:
+    """The patch that wires `target` (both templates of a LeaderWorkerSet), None if it is wired."""
+    group, leader_group = groups_of(target, current)
+    name = mw.metadata.name or ""
+    patch = template_patch(mw.spec, name, facts, target.container, current, loader, group)
+    leader_patch = None
+    if current.leader is not None:
+        leader_patch = template_patch(mw.spec, name, facts, target.container, current.leader, loader, leader_group)
+    if patch is None and leader_patch is None:
+        return None
+    return PatchWorkload(target.name, patch, current.service_account if gated else None, kind=target.kind,
+                         leader_patch=leader_patch)
 
 
 def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft) -> CachePlan | Plan | None:
@@ -416,14 +438,14 @@ def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _D
     return cache
 
 
-def _serving_trouble(observed: Observed, facts: Artifact, refs: list) -> PodTrouble | None:
+def _serving_trouble(observed: Observed, facts: Artifact, targets: list[ServingTarget]) -> PodTrouble | None:
     """What keeps a pod of the current template of a wired Deployment from
     serving (serving_diagnosis.py): the first one that needs a human, else the
     first one waiting, by pod name. Old ReplicaSets' pods are on their way out."""
     digest = facts.manifest_digest or facts.uri
-    names = {r.name for r in refs}
+    names = {t.key for t in targets}
     troubles = [p.trouble for p in sorted(observed.pods, key=lambda p: p.name)
-                if p.trouble is not None and p.digest == digest and p.deployment in names and not p.terminating]
+                if p.trouble is not None and p.digest == digest and p.workload in names and not p.terminating]
     return next((t for t in troubles if t.stalls), troubles[0] if troubles else None)
 
 
@@ -431,12 +453,14 @@ def _loaded(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft
             actions: list) -> tuple[Plan | None, str | None]:
     """status.loaded and WeightsLoaded from the serving pods' loaders: (the plan
     if one failed, what is still loading if not all have)."""
-    refs = mw.spec.serving.deployments if mw.spec.serving else []
-    replicas = sum(d.replicas for d in (observed.deployments.get(r.name) for r in refs) if d is not None)
-    loads = summarize(observed.pods, facts.manifest_digest or "", replicas)
+    targets = mw.spec.serving.workloads() if mw.spec.serving else []
+    found = [(t, observed.workloads.get(t.key)) for t in targets]
+    replicas = sum(d.replicas for _, d in found if d is not None)
+    groups = {t.key: (t.pods_per_group, d.groups) for t, d in found if d is not None and t.pods_per_group > 1}
+    loads = summarize(observed.pods, facts.manifest_digest or "", replicas, groups)
     draft.status.loaded = LoadedReplicas(replicas=loads.replicas, loaded_replicas=loads.loaded, summary=loads.text,
                                          p50_load_seconds=loads.p50_seconds)
-    text = f"{loads.text} replicas loaded"
+    text = loads.describe()
     if loads.p50_seconds is not None:
         text += f" (p50 {loads.p50_seconds:g}s)"
     if loads.failing is None:
@@ -457,13 +481,14 @@ def _ready(mw: ModelWeights, facts: Artifact, draft: _Draft, keep_previous: int)
     """Every Deployment serves the current artifact: Ready, and superseded
     artifacts may go (Delete removes them all, Retain all but the newest keep_previous)."""
     status = draft.status
-    refs = mw.spec.serving.deployments if mw.spec.serving else []
-    if refs:
+    targets = mw.spec.serving.workloads() if mw.spec.serving else []
+    if targets:
         draft.cond(ConditionType.SERVING_UPDATED, True, "RolledOut",
-                   ", ".join(r.name for r in refs) + " serve the artifact")
+                   ", ".join(t.name if t.kind == "Deployment" else t.describe() for t in targets)
+                   + " serve the artifact")
     draft.cond(ConditionType.RECONCILING, False, "Ready", "")
     draft.cond(ConditionType.READY, True, "Ready",
-               "artifact prepared and verified" + ("; serving deployments rolled out" if refs else "")
+               "artifact prepared and verified" + ("; serving workloads rolled out" if targets else "")
                + (f"; weights loaded by {status.loaded.summary} replicas" if status.loaded else ""))
     _supersede(status, facts)
     status.artifact = facts
@@ -499,7 +524,7 @@ def blocked(status: ModelWeightsStatus | None, generation: int, reason: str, mes
 
 
 def _finish(status: ModelWeightsStatus, conditions: list[Condition], generation: int, artifact: Artifact | None,
-            actions: list[StartStep | RetryStep | PatchDeployment | RemoveArtifact], running: str | None,
+            actions: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact], running: str | None,
             requeue: float | None = None) -> Plan:
     status.conditions = sorted(conditions, key=lambda c: c.type)
     status.observed_generation = generation

@@ -36,8 +36,10 @@ SERVED_NAME_ANNOTATION = "ferry.dev/served-model-name"
 
 
 @dataclass(frozen=True)
-class DeploymentFacts:
-    """What the handlers read from a Deployment."""
+class WorkloadFacts:
+    """What the handlers read from a serving workload: one pod template's wiring (an LeaderWorkerSet's
+    worker template, its leader template in `leader`), and the workload's rollout (workloads.py reads the
+    kinds other than Deployment)."""
 
     name: str
     containers: dict[str, list[str]]  # container name -> args, in pod-spec order
@@ -48,17 +50,69 @@ class DeploymentFacts:
     readiness_gates: list[str] = field(default_factory=list)  # condition types
     probed: frozenset[str] = frozenset()  # containers with a readinessProbe
     service_account: str = "default"
-    replicas: int = 1
+    replicas: int = 1  # pods the workload runs when complete
     weights_volume: str = ""  # the source of the ferry-weights volume: persistentVolumeClaim, csi, hostPath, ""
     preferred_nodes: list[dict[str, Any]] = field(default_factory=list)  # nodeAffinity's preferred terms
+    kind: str = "Deployment"
+    group_size: int = 1  # pods per serving group as the workload runs them (an LWS's size; a StatefulSet's replicas)
+    groups: int = 1  # serving groups (an LWS's replicas)
+    leader: WorkloadFacts | None = None  # a LeaderWorkerSet's leaderTemplate, when it has one
+    service_name: str = ""  # a StatefulSet's governing Service: its pods' DNS names
 
 
-def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
-    """What Ferry needs of a Deployment, from the object as the API serves it (JSON)."""
-    meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
-    template = spec.get("template") or {}
+GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A workload whose pods form serving groups of `size` (ServingTarget.groupSize > 1). Each pod learns
+    its index in its group from the pod label `index_label` (the kubelet sets FERRY_GROUP_INDEX from it, and
+    expands `$(FERRY_GROUP_INDEX)` in args), its loader verifies only that pod's slice of the ranks, and vLLM
+    runs its multiprocessing multi-node launch: --nnodes, --node-rank, --master-addr, and --headless on the
+    pods that run no API server."""
+
+    size: int
+    index_label: str
+    master_addr: str
+    headless: bool = False
+
+    def env(self) -> dict[str, Any]:
+        return {"name": GROUP_INDEX_ENV, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.labels['{self.index_label}']"}}}
+
+    def vllm_flags(self) -> list[str]:
+        return (["--nnodes", str(self.size), "--node-rank", f"$({GROUP_INDEX_ENV})", "--master-addr",
+                 self.master_addr] + (["--headless"] if self.headless else []))
+
+    def loader_args(self) -> list[str]:
+        return ["--group-size", str(self.size), "--group-index", f"$({GROUP_INDEX_ENV})"]
+
+
+def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> WorkloadFacts:
+    """The wiring of one pod template (metadata + spec, as the API serves it)."""
     pod = template.get("spec") or {}
     containers = pod.get("containers") or []
+    return WorkloadFacts(
+        name=name,
+        containers={c["name"]: list(c.get("args") or []) for c in containers},
+        commands={c["name"]: list(c.get("command") or []) for c in containers},
+        template_annotations=dict((template.get("metadata") or {}).get("annotations") or {}),
+        init_containers={c["name"]: {"image": c.get("image"), "args": list(c.get("args") or [])}
+                         for c in pod.get("initContainers") or []},
+        readiness_gates=[g.get("conditionType", "") for g in pod.get("readinessGates") or []],
+        probed=frozenset(c["name"] for c in containers if c.get("readinessProbe")),
+        service_account=pod.get("serviceAccountName") or pod.get("serviceAccount") or "default",
+        weights_volume=next((k for v in pod.get("volumes") or [] if v.get("name") == VOLUME_NAME
+                             for k in v if k != "name"), ""),
+        preferred_nodes=list(((pod.get("affinity") or {}).get("nodeAffinity") or {})
+                             .get("preferredDuringSchedulingIgnoredDuringExecution") or []),
+        **{"rolled_out": False, **workload},
+    )
+
+
+def deployment_facts(body: Mapping[str, Any]) -> WorkloadFacts:
+    """What Ferry needs of a Deployment, from the object as the API serves it (JSON)."""
+    meta, spec, status = body.get("metadata") or {}, body.get("spec") or {}, body.get("status") or {}
     want = spec.get("replicas", 1) if spec.get("replicas") is not None else 1
     rolled_out = (
         (status.get("observedGeneration") or 0) >= (meta.get("generation") or 0)
@@ -66,23 +120,8 @@ def deployment_facts(body: Mapping[str, Any]) -> DeploymentFacts:
         and (status.get("replicas") or 0) == want  # no old pods left
         and (status.get("availableReplicas") or 0) == want
     )
-    return DeploymentFacts(
-        name=meta.get("name", ""),
-        containers={c["name"]: list(c.get("args") or []) for c in containers},
-        commands={c["name"]: list(c.get("command") or []) for c in containers},
-        template_annotations=dict((template.get("metadata") or {}).get("annotations") or {}),
-        rolled_out=rolled_out,
-        init_containers={c["name"]: {"image": c.get("image"), "args": list(c.get("args") or [])}
-                         for c in pod.get("initContainers") or []},
-        readiness_gates=[g.get("conditionType", "") for g in pod.get("readinessGates") or []],
-        probed=frozenset(c["name"] for c in containers if c.get("readinessProbe")),
-        service_account=pod.get("serviceAccountName") or pod.get("serviceAccount") or "default",
-        replicas=want,
-        weights_volume=next((k for v in pod.get("volumes") or [] if v.get("name") == VOLUME_NAME
-                             for k in v if k != "name"), ""),
-        preferred_nodes=list(((pod.get("affinity") or {}).get("nodeAffinity") or {})
-                             .get("preferredDuringSchedulingIgnoredDuringExecution") or []),
-    )
+    return template_facts(meta.get("name", ""), spec.get("template") or {}, rolled_out=rolled_out, replicas=want,
+                          groups=want)
 
 
 def model_location(artifact_uri: str) -> str:
@@ -327,14 +366,15 @@ def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, An
             init["volumeMounts"].append(unmount)
 
 
-def deployment_patch(
-    spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: DeploymentFacts,
-    loader: LoaderSettings | None = None,
+def template_patch(
+    spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: WorkloadFacts,
+    loader: LoaderSettings | None = None, group: Group | None = None,
 ) -> dict[str, Any] | None:
-    """The strategic-merge patch that wires `current` to the artifact; None if already wired.
+    """The strategic-merge patch of the pod template (`{"spec": {"template": ...}}`) that wires `current`
+    to the artifact; None if already wired. `group`: its pods form serving groups (Group).
 
     Idempotent: a container this patch wired yields the same command, args and
-    annotations, so the Deployment rolls once per change, never per reconcile.
+    annotations, so the workload rolls once per change, never per reconcile.
     """
     if not current.containers:
         raise ServingError(f"deployment {current.name} has no containers")
@@ -360,16 +400,22 @@ def deployment_patch(
     mounted, location = weights_source(spec, artifact)
     local = gated and mounted is not None and spec.serving.local_copy
     served_from = LOCAL_PATH if local else location
-    new_command, new_args = shape.wire(served_from, ferry_flags(spec, artifact.uri), served, ours)
+    flags = ferry_flags(spec, artifact.uri) + (group.vllm_flags() if group else [])
+    new_command, new_args = shape.wire(served_from, flags, served, ours)
     digest = artifact.manifest_digest or artifact.uri
     env = s3_env(spec) if mounted is None else []
     init = loader_container(loader, location, digest, [mounted[1]] if mounted else [], env) if gated else None
     if init is not None and local:
         init["args"] += ["--copy-to", LOCAL_PATH]
         init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
+    if init is not None and group is not None:
+        init["args"] += group.loader_args()
+        init["env"].append(group.env())
+    # A headless vLLM (a group's non-leader pod) serves no HTTP: no /health to probe.
+    probed = name in current.probed or (group is not None and group.headless)
     have = current.init_containers.get(LOADER_CONTAINER)
     loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
-                      and name in current.probed) if init else (have is None and GATE not in current.readiness_gates)
+                      and probed) if init else (have is None and GATE not in current.readiness_gates)
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = (not current.weights_volume if mounted is None
                       else (current.weights_volume == "csi") == ("csi" in mounted[0]))
@@ -388,6 +434,8 @@ def deployment_patch(
     if preferred != current.preferred_nodes:
         pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
     _bring_weights(spec, artifact, pod, c, init, mounted, env, current.weights_volume, local)
+    if group is not None:
+        c.setdefault("env", []).append(group.env())
     key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
     if key is not None and spec.format.type == FormatType.TENSORIZER.value:
         pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {
@@ -398,7 +446,7 @@ def deployment_patch(
         pod["initContainers"] = [init]
         pod["readinessGates"] = wired_gates(current.readiness_gates)
         pod.setdefault("volumes", []).append(token_volume())
-        if name not in current.probed:
+        if not probed:
             c["readinessProbe"] = health_probe(new_command + new_args)
     elif have is not None or GATE in current.readiness_gates:
         pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]

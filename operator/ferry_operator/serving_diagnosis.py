@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .api.types import WorkloadKind, target_key
 from .kubelet_words import MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, error_line, last_line
 
 # Reasons (condition reasons and Event reasons: CamelCase).
@@ -51,30 +52,46 @@ class PodTrouble:
     stalls: bool  # a human has to act; otherwise it may resolve by itself
 
 
-def deployment_of(body: Mapping[str, Any]) -> str:
-    """The Deployment that made the pod: its ReplicaSet's name less the template hash."""
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+
+
+def workload_of(body: Mapping[str, Any]) -> str:
+    """The serving workload that made the pod, as the operator files it (ServingTarget.key): a Deployment by
+    name (its ReplicaSet's name less the template hash), a StatefulSet as statefulset/NAME, a LeaderWorkerSet's
+    pod (leader or worker: LWS labels both) as leaderworkerset/NAME."""
     meta = body.get("metadata") or {}
-    rs = next((r.get("name", "") for r in meta.get("ownerReferences") or []
-               if r.get("kind") == "ReplicaSet" and r.get("controller")), "")
-    suffix = "-" + ((meta.get("labels") or {}).get("pod-template-hash") or "")
+    labels = meta.get("labels") or {}
+    if labels.get(LWS_NAME_LABEL):
+        return target_key(WorkloadKind.LEADER_WORKER_SET.value, labels[LWS_NAME_LABEL])
+    owner = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), {})
+    if owner.get("kind") == WorkloadKind.STATEFUL_SET.value:
+        return target_key(WorkloadKind.STATEFUL_SET.value, owner.get("name", ""))
+    rs = owner.get("name", "") if owner.get("kind") == "ReplicaSet" else ""
+    suffix = "-" + (labels.get("pod-template-hash") or "")
     return rs[:-len(suffix)] if suffix != "-" and rs.endswith(suffix) else ""
+
+
+def describe_workload(key: str) -> str:
+    """`deployment NAME`, `statefulset NAME`, `leaderworkerset NAME` from a workload key."""
+    kind, _, name = key.rpartition("/")
+    return f"{kind or 'deployment'} {name or '?'}"
 
 
 @dataclass(frozen=True)
 class _Pod:
     namespace: str
     name: str
-    deployment: str
+    workload: str
 
     def __str__(self) -> str:
-        return f"pod {self.namespace}/{self.name}" + (f" (deployment {self.deployment})" if self.deployment else "")
+        return f"pod {self.namespace}/{self.name}" + (f" ({describe_workload(self.workload)})" if self.workload else "")
 
 
 def pod_trouble(body: Mapping[str, Any]) -> PodTrouble | None:
     meta, status = body.get("metadata") or {}, body.get("status") or {}
     if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
         return None
-    pod = _Pod(meta.get("namespace") or "", meta.get("name") or "", deployment_of(body))
+    pod = _Pod(meta.get("namespace") or "", meta.get("name") or "", workload_of(body))
     init = list(status.get("initContainerStatuses") or [])
     main = list(status.get("containerStatuses") or [])
     for cs in init + main:
@@ -110,7 +127,7 @@ def _waiting(body: Mapping[str, Any], pod: _Pod, cs: Mapping[str, Any]) -> PodTr
     why, text = waiting.get("reason") or "", (waiting.get("message") or "").strip()
     name, image = cs.get("name"), _image(body, cs)
     node = (body.get("spec") or {}).get("nodeName") or "?"
-    fix = f"fix the image of container {name} in deployment {pod.deployment or '?'}"
+    fix = f"fix the image of container {name} in {describe_workload(pod.workload)}"
     if why == "ErrImageNeverPull":
         return PodTrouble(IMAGE_NOT_FOUND, f'{pod}: image "{image}" of container {name} is not on node {node} and '
                                            f"its pull policy is Never: load it onto the node, or {fix} "
@@ -133,7 +150,7 @@ def _waiting(body: Mapping[str, Any], pod: _Pod, cs: Mapping[str, Any]) -> PodTr
         kind, missing = found.groups()
         what = "Secret" if kind == "secret" else "ConfigMap"
         return PodTrouble(CONTAINER_CONFIG_ERROR, f"{pod}: {what} {missing} referenced by container {name} does "
-                                                  f"not exist: create it, or fix deployment {pod.deployment or '?'} "
+                                                  f"not exist: create it, or fix {describe_workload(pod.workload)} "
                                                   f"(kubelet: {last_line(text)})", True)
     if why in ("CreateContainerError", "PreCreateHookError", "PreStartHookError", "RunContainerError"):
         return PodTrouble(CONTAINER_CREATING, f"{pod} cannot create container {name} yet, the kubelet retries: "
@@ -152,7 +169,7 @@ def _crashed(pod: _Pod, cs: Mapping[str, Any]) -> PodTrouble | None:
     if last.get("reason") == "OOMKilled":
         return PodTrouble(OOM_KILLED, f"{pod}: container {name} ran out of memory (OOMKilled, exit code {code}, "
                                       f"restarted {restarts} times): raise its resources.limits.memory in "
-                                      f"deployment {pod.deployment or '?'}, or lower vLLM's memory use", True)
+                                      f"{describe_workload(pod.workload)}, or lower vLLM's memory use", True)
     words = error_line(last.get("message"))
     said = f": {words}" if words else " and left no termination message"
     return PodTrouble(CRASH_LOOP, f"{pod}: container {name} keeps crashing (restarted {restarts} times; last exit "

@@ -75,6 +75,11 @@ MANAGED_FLAGS = {
 # Switches (no value) Ferry decides from format.expertParallel, both spellings
 # of vLLM's BooleanOptionalAction: a user's is dropped, so the flag is Ferry's alone.
 MANAGED_SWITCHES = frozenset({"--enable-expert-parallel", "-ep", "--no-enable-expert-parallel"})
+# vLLM's multi-node flags (its multiprocessing backend: --nnodes/--node-rank/--master-addr, workers
+# --headless). Ferry decides them only for a workload whose pods form a group (ServingTarget.groupSize > 1):
+# when Ferry's flags carry --nnodes, a user's spellings of these go; otherwise they are the user's.
+GROUP_FLAGS = frozenset({"--nnodes", "-n", "--node-rank", "-r", "--master-addr"})
+GROUP_SWITCHES = frozenset({"--headless"})
 
 API_SERVER_MODULES = frozenset({"vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api_server.entry"})
 CLI_MODULE = "vllm.entrypoints.cli.main"
@@ -116,18 +121,19 @@ def _is_flag(tok: Tok) -> bool:
     return tok.value.startswith("-")
 
 
-def _strip(toks: list[Tok], served_too: bool) -> list[Tok]:
+def _strip(toks: list[Tok], served_too: bool, group: bool = False) -> list[Tok]:
     """Drop Ferry-managed flags with their values (`--flag v` and `--flag=v`);
-    with served_too, also `--served-model-name` (it takes one or more values)."""
+    with served_too, also `--served-model-name` (it takes one or more values);
+    with group, also vLLM's multi-node flags (GROUP_FLAGS, GROUP_SWITCHES)."""
     out: list[Tok] = []
     i = 0
     while i < len(toks):
         tok = toks[i]
         flag = _flag(tok.value)
-        if flag in MANAGED_SWITCHES:
+        if flag in MANAGED_SWITCHES or (group and flag in GROUP_SWITCHES):
             i += 1
             continue
-        if flag in MANAGED_FLAGS:
+        if flag in MANAGED_FLAGS or (group and flag in GROUP_FLAGS):
             i += 1 if "=" in tok.value else 2
             continue
         if served_too and flag == SERVED_NAME_FLAG:
@@ -324,7 +330,7 @@ def _invocation(kind: str, toks: list[Tok], start: int, shape: str) -> tuple[str
 
     def rewrite(model: str, flags: list[str], served_name: str | None, replace_served: bool) -> list[Tok]:
         args = rest[1:] if positional is not None else rest
-        kept = _strip(args, replace_served)
+        kept = _strip(args, replace_served, group="--nnodes" in flags)
         new = [Tok(v) for v in flags]
         if served_name is not None:
             new += [Tok(SERVED_NAME_FLAG), Tok(served_name)]

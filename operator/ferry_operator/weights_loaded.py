@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from .serving import DIGEST_ANNOTATION, OWNER_ANNOTATION
-from .serving_diagnosis import PodTrouble, deployment_of, pod_trouble
+from .serving_diagnosis import PodTrouble, pod_trouble, workload_of
 from .serving_loader import GATE, LOADER_CONTAINER
 
 
@@ -31,12 +31,26 @@ class PodFacts:
     load_seconds: float | None = None
     terminating: bool = False
     loader_waiting: str = ""  # the init container's waiting reason (CrashLoopBackOff, ImagePullBackOff)
-    deployment: str = ""  # the Deployment that made it
+    workload: str = ""  # the workload that made it, as ServingTarget.key files it
     trouble: PodTrouble | None = None  # what keeps it from serving (serving_diagnosis.py)
     node: str = ""  # where it was scheduled ("" while it is not)
     awaiting_volumes: bool = False  # scheduled, and no container started: the kubelet is still mounting
     created: datetime | None = None
     uid: str = ""
+    group: str = ""  # the serving group it belongs to (group_of); a Deployment's pod is a group of its own
+
+
+LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+
+
+def group_of(body: Mapping[str, Any], workload: str) -> str:
+    """The serving group a pod belongs to: an LWS group (its group-index label), a StatefulSet (all its pods:
+    a group when its target's groupSize > 1), else the pod itself."""
+    meta = body.get("metadata") or {}
+    index = (meta.get("labels") or {}).get(LWS_GROUP_LABEL)
+    if index is not None:
+        return f"{workload}#{index}"
+    return workload if workload.startswith("statefulset/") else meta.get("name", "")
 
 
 def _time(text: str | None) -> datetime | None:
@@ -63,9 +77,9 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         gate=gate.get("status") if gate else None, reason=(gate or {}).get("reason", ""),
         message=(gate or {}).get("message", ""), load_seconds=seconds,
         terminating=bool(meta.get("deletionTimestamp")), loader_waiting=waiting,
-        deployment=deployment_of(body), trouble=pod_trouble(body),
+        workload=workload_of(body), trouble=pod_trouble(body),
         node=(body.get("spec") or {}).get("nodeName") or "", awaiting_volumes=_awaiting_volumes(status),
-        created=_time(meta.get("creationTimestamp")),
+        created=_time(meta.get("creationTimestamp")), group=group_of(body, workload_of(body)),
     )
 
 
@@ -89,6 +103,7 @@ class LoadSummary:
     loaded: int
     p50_seconds: float | None
     failing: PodFacts | None  # the first pod (by name) whose loader reported a failure
+    groups: tuple[int, int] | None = None  # (groups whose every pod loaded, groups), with multi-pod groups
 
     @property
     def complete(self) -> bool:
@@ -98,11 +113,28 @@ class LoadSummary:
     def text(self) -> str:
         return f"{self.loaded}/{self.replicas}"
 
+    def describe(self) -> str:
+        """`3/4 replicas loaded`, or with multi-pod groups `3/4 pods loaded, 1/2 groups`."""
+        if self.groups is None:
+            return f"{self.text} replicas loaded"
+        return f"{self.text} pods loaded, {self.groups[0]}/{self.groups[1]} groups"
 
-def summarize(pods: list[PodFacts], digest: str, replicas: int) -> LoadSummary:
+
+def summarize(pods: list[PodFacts], digest: str, replicas: int,
+              group_sizes: Mapping[str, tuple[int, int]] | None = None) -> LoadSummary:
+    """`group_sizes`: for workloads whose pods form groups, workload key -> (pods per group, groups)."""
     current = sorted((p for p in pods if p.digest == digest and not p.terminating), key=lambda p: p.name)
     loaded = [p for p in current if p.gate == "True"]
     seconds = [p.load_seconds for p in loaded if p.load_seconds is not None]
     failing = next((p for p in current if p.gate == "False" and p.reason not in ("", "Loading")), None)
+    groups = None
+    if group_sizes:
+        per_group: dict[str, int] = {}
+        for p in loaded:
+            if p.workload in group_sizes:
+                per_group[p.group] = per_group.get(p.group, 0) + 1
+        full = sum(1 for g, n in per_group.items() if n >= group_sizes[g.split("#")[0]][0])
+        groups = (full, sum(total for _, total in group_sizes.values()))
     return LoadSummary(replicas=replicas, loaded=len(loaded),
-                       p50_seconds=round(statistics.median(seconds), 2) if seconds else None, failing=failing)
+                       p50_seconds=round(statistics.median(seconds), 2) if seconds else None, failing=failing,
+                       groups=groups)

@@ -177,18 +177,22 @@ def pods_of(kube, app: str) -> list[dict]:
     return kube.get_json("pods", "-n", NAMESPACE, "-l", f"app={app}")["items"]
 
 
-def standin_deployment(kube, name: str) -> None:
+def standin_template(kube, name: str) -> dict:
+    """A pod template running the stand-in as vLLM's `vllm serve tiny-llama` (its ConfigMap applied)."""
     kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-vllm", "namespace": NAMESPACE},
                 "data": {"vllm": STANDIN}})
     busybox = localcluster.built_images()["busybox"]["ref"]
+    return {"metadata": {"labels": {"app": name}}, "spec": {
+        "containers": [{"name": "vllm", "image": busybox, "imagePullPolicy": "Never",
+                        "command": ["env", "PATH=/standin:/bin", "vllm", "serve", "tiny-llama"],
+                        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                        "volumeMounts": [{"name": "standin", "mountPath": "/standin"}]}],
+        "volumes": [{"name": "standin", "configMap": {"name": f"{name}-vllm", "defaultMode": 0o755}}]}}
+
+
+def standin_deployment(kube, name: str) -> None:
     labels = {"app": name}
     kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NAMESPACE},
                 "spec": {"replicas": 1, "selector": {"matchLabels": labels},
                          "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                         "progressDeadlineSeconds": 600,
-                         "template": {"metadata": {"labels": labels}, "spec": {
-                             "containers": [{"name": "vllm", "image": busybox, "imagePullPolicy": "Never",
-                                             "command": ["env", "PATH=/standin:/bin", "vllm", "serve", "tiny-llama"],
-                                             "volumeMounts": [{"name": "standin", "mountPath": "/standin"}]}],
-                             "volumes": [{"name": "standin", "configMap": {"name": f"{name}-vllm",
-                                                                           "defaultMode": 0o755}}]}}}})
+                         "progressDeadlineSeconds": 600, "template": standin_template(kube, name)}})

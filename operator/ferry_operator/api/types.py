@@ -386,12 +386,80 @@ class DeploymentRef(Model):
     )
 
 
-def _first_duplicate(deployments: list[DeploymentRef]) -> int | None:
-    seen: set[str] = set()
-    for i, d in enumerate(deployments):
-        if d.name in seen:
+class WorkloadKind(str, Enum):
+    """The kinds of serving workload Ferry wires."""
+
+    DEPLOYMENT = "Deployment"
+    STATEFUL_SET = "StatefulSet"
+    LEADER_WORKER_SET = "LeaderWorkerSet"  # kubernetes-sigs/lws, leaderworkerset.x-k8s.io/v1
+
+
+MAX_GROUP_SIZE = 64
+
+
+def target_key(kind: str, name: str) -> str:
+    """How the operator files a serving workload: a Deployment by its name (as serving.deployments always
+    has), others as kubectl names them (statefulset/NAME, leaderworkerset/NAME)."""
+    return name if kind == WorkloadKind.DEPLOYMENT.value else f"{kind.lower()}/{name}"
+
+TARGET_RULES = [
+    Rule(
+        "self.kind != 'Deployment' || !has(self.groupSize) || self.groupSize == 1",
+        "a Deployment's pods are interchangeable, each serving the whole TP x PP group: groupSize must be 1 "
+        "(use a LeaderWorkerSet or a StatefulSet for a group spread over several pods)",
+        lambda t: t.kind != WorkloadKind.DEPLOYMENT.value or t.group_size in (None, 1),
+        ".groupSize",
+    ),
+]
+
+
+class ServingTarget(Model):
+    """A serving workload in this namespace that Ferry wires to the artifact."""
+
+    model_config = ConfigDict(json_schema_extra=crd_validations(TARGET_RULES))
+
+    kind: WorkloadKind = Field(
+        WorkloadKind.DEPLOYMENT,
+        description="Deployment (every pod serves the whole TP x PP group), StatefulSet or LeaderWorkerSet "
+                    "(leaderworkerset.x-k8s.io/v1: its leader and worker templates are both wired).",
+    )
+    name: ResourceName = Field(description="The workload's name.")
+    container: ContainerName | None = Field(
+        None, description="Container running vLLM; default: the first container."
+    )
+    group_size: int | None = Field(
+        None, ge=1, le=MAX_GROUP_SIZE,
+        description="Pods that serve one TP x PP group together (a LeaderWorkerSet's leaderWorkerTemplate.size; "
+                    "a StatefulSet's replicas when its pods form one vLLM instance). Pod i of a group loads and "
+                    "verifies only its slice of the ranks, [i*k, (i+1)*k) with k = TP x PP / groupSize (vLLM's "
+                    "--node-rank order: with groupSize = PP, one pipeline stage per pod), and vLLM gets "
+                    "--nnodes/--node-rank. Must divide TP x PP and equal the workload's own group size. "
+                    "Default 1: each pod serves the whole group.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ServingTarget":
+        return enforce(TARGET_RULES, self)
+
+    @property
+    def pods_per_group(self) -> int:
+        return self.group_size or 1
+
+    @property
+    def key(self) -> str:
+        return target_key(self.kind, self.name)
+
+    def describe(self) -> str:
+        return f"{self.kind.lower()} {self.name}"
+
+
+def _first_duplicate(refs: list) -> int | None:
+    seen: set[tuple[str, str]] = set()
+    for i, d in enumerate(refs):
+        key = (getattr(d, "kind", WorkloadKind.DEPLOYMENT.value), d.name)
+        if key in seen:
             return i
-        seen.add(d.name)
+        seen.add(key)
     return None
 
 
@@ -424,6 +492,20 @@ class NodeCache(Model):
 
 SERVING_RULES = [
     Rule(
+        "(has(self.deployments) ? size(self.deployments) : 0) + (has(self.targets) ? size(self.targets) : 0) <= 32",
+        "at most 32 workloads in deployments and targets together",
+        lambda s: len(s.deployments) + len(s.targets) <= 32,
+        ".targets",
+    ),
+    Rule(
+        "!has(self.targets) || !has(self.deployments)"
+        " || self.targets.all(t, t.kind != 'Deployment' || !self.deployments.exists(d, d.name == t.name))",
+        "a Deployment is listed in both deployments and targets: list it once",
+        lambda s: not ({d.name for d in s.deployments}
+                       & {t.name for t in s.targets if t.kind == WorkloadKind.DEPLOYMENT.value}),
+        ".targets",
+    ),
+    Rule(
         "!(has(self.nodeCache) && self.nodeCache.enabled && self.localCopy)",
         "nodeCache and localCopy both serve the weights from node disk: use one",
         lambda s: not (s.node_cache and s.node_cache.enabled and s.local_copy),
@@ -439,25 +521,38 @@ SERVING_RULES = [
 
 
 class Serving(Model):
-    """Deployments to patch with --model, --load-format and flags, and roll on change."""
+    """Workloads to patch with --model, --load-format and flags, and roll on change."""
 
     model_config = ConfigDict(json_schema_extra=crd_validations(SERVING_RULES))
 
     deployments: list[DeploymentRef] = Field(
         default_factory=list,
         max_length=32,
-        description="Deployments to wire; each is rolled when the artifact changes.",
+        description="Deployments to wire; each is rolled when the artifact changes (the same as targets of "
+                    "kind Deployment).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
-    @field_validator("deployments")
+    targets: list[ServingTarget] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Workloads to wire, of any kind (Deployment, StatefulSet, LeaderWorkerSet); each is rolled "
+                    "when the artifact changes (a LeaderWorkerSet as whole groups, by its own rolling update).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["kind", "name"]},
+    )
+
+    @field_validator("deployments", "targets")
     @classmethod
-    def _unique(cls, deployments: list[DeploymentRef]) -> list[DeploymentRef]:
+    def _unique(cls, refs: list) -> list:
         # The API server enforces this through x-kubernetes-list-type: map;
         # report it on the same element as it does.
-        dup = _first_duplicate(deployments)
+        dup = _first_duplicate(refs)
         if dup is not None:
-            raise rule_error(f"Duplicate value: {deployments[dup].name!r}", f"[{dup}]")
-        return deployments
+            raise rule_error(f"Duplicate value: {refs[dup].name!r}", f"[{dup}]")
+        return refs
+
+    def workloads(self) -> list[ServingTarget]:
+        """Every workload to wire: serving.deployments (as targets of kind Deployment), then serving.targets."""
+        return [ServingTarget(name=d.name, container=d.container) for d in self.deployments] + list(self.targets)
 
     readiness_gate: bool = Field(
         True,
@@ -499,7 +594,19 @@ def _has_s3(s: "ModelWeightsSpec") -> bool:
     return s.storage is not None and s.storage.s3 is not None
 
 
+def _world(s: "ModelWeightsSpec") -> int:
+    return s.format.tensor_parallel_size * s.format.pipeline_parallel_size
+
+
 SPEC_RULES = [
+    Rule(
+        "!has(self.serving) || !has(self.serving.targets) || self.serving.targets.all(t, !has(t.groupSize)"
+        " || (self.format.tensorParallelSize * self.format.pipelineParallelSize) % t.groupSize == 0)",
+        "groupSize must divide format.tensorParallelSize x format.pipelineParallelSize: each pod of a group "
+        "serves an equal slice of the ranks (vLLM's --nnodes must divide its world size)",
+        lambda s: not s.serving or all(_world(s) % t.pods_per_group == 0 for t in s.serving.targets),
+        ".serving.targets",
+    ),
     Rule(
         "!(has(self.serving) && has(self.serving.nodeCache) && self.serving.nodeCache.enabled)"
         " || self.format.type in ['safetensors', 'sharded_state']"

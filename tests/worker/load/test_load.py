@@ -38,15 +38,6 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "artifact"
 
 
-@pytest.fixture
-def copy_of(artifact: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "artifact"
-    target.mkdir()
-    for f in artifact.iterdir():
-        (target / f.name).write_bytes(f.read_bytes())
-    return target
-
-
 def rank_file(directory: Path, rank: int) -> Path:
     manifest = read_manifest(directory)
     return directory / manifest.extra["rankFiles"][f"pp0-tp{rank}"][0]

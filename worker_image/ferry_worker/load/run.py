@@ -12,6 +12,9 @@
 4. With `--copy-to`, the same pass writes a copy (node-local disk, for slow
    network filesystems), its manifest last.
 
+A pod of a multi-node serving group (`--group-size G --group-index I`) loads
+the ranks `vllm serve --nnodes G --node-rank I` gives it (selection.group_ranks).
+
 Object-store artifacts (s3://) are checked without reading: every object's
 size and ETag against the manifest; their content hashes are not re-computed
 (vLLM streams them; `ferry verify s3://...` reads them all).
@@ -30,7 +33,7 @@ from ..progress import LogLines, Progress, human_bytes
 from . import report as reasons
 from .reader import ReadOptions, read_files  # noqa: F401 (ReadOptions: LoadRequest's type)
 from .report import Reporter
-from .selection import Selection, select
+from .selection import Group, Selection, SelectionError, select
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoadRequest:
     artifact: str  # a directory or s3://bucket/prefix
-    ranks: list[int] | None = None  # None: every rank of the artifact
+    ranks: list[int] | None = None  # None: every rank of the artifact (or, with group, the group pod's)
+    group: Group | None = None  # a pod of a multi-node serving group: its ranks follow from its index
     verify: str = "full"  # full | size
     expected_digest: str | None = None
     copy_to: Path | None = None
@@ -58,6 +62,14 @@ class LoadResult:
         return (f"{self.verified}: {n} files, {human_bytes(size)} for {self.selection.describe()} in "
                 f"{self.seconds:.1f}s{rate}; artifact {self.manifest_digest}")
 
+    def facts(self) -> dict:
+        """The step result ($FERRY_RESULT_FILE): what this pod loaded, and its place in its group."""
+        group = self.selection.group
+        return {"loaded": self.describe(), "manifestDigest": self.manifest_digest,
+                "files": len(self.selection.entries), "totalBytes": self.selection.total_bytes,
+                "ranks": self.selection.ranks,  # null: every file (no per-rank files, or an object store)
+                "groupSize": group.size if group else 1, "groupIndex": group.index if group else 0}
+
 
 def load(request: LoadRequest, reporter: Reporter) -> LoadResult:
     started = time.monotonic()
@@ -67,14 +79,21 @@ def load(request: LoadRequest, reporter: Reporter) -> LoadResult:
             result = _load_s3(request, started)
         else:
             result = _load_dir(request, started)
-    except IntegrityError as e:
-        reporter.report(False, reasons.VERIFICATION_FAILED, str(e))
-        raise
     except Exception as e:
-        reporter.report(False, reasons.LOAD_FAILED, f"{type(e).__name__}: {e}")
+        report_failure(reporter, e)
         raise
     reporter.report(True, reasons.LOADED, result.describe())
     return result
+
+
+def report_failure(reporter: Reporter, error: Exception) -> None:
+    """The pod condition for a load that failed (or a request refused before it began)."""
+    if isinstance(error, IntegrityError):
+        reporter.report(False, reasons.VERIFICATION_FAILED, str(error))
+    elif isinstance(error, SelectionError):  # the ranks or group position asked for: the message says what to fix
+        reporter.report(False, reasons.LOAD_FAILED, str(error))
+    else:
+        reporter.report(False, reasons.LOAD_FAILED, f"{type(error).__name__}: {error}")
 
 
 def _check_digest(data: bytes, expected: str | None, where: str) -> str:
@@ -93,7 +112,7 @@ def _load_dir(request: LoadRequest, started: float) -> LoadResult:
     data = path.read_bytes()
     digest = _check_digest(data, request.expected_digest, str(root))
     manifest = Manifest.from_json(data)
-    selection = select(manifest, request.ranks)
+    selection = select(manifest, request.ranks, request.group)
     for entry in selection.entries:
         file = root / entry.path
         if not file.is_file():
@@ -124,8 +143,13 @@ def _load_s3(request: LoadRequest, started: float) -> LoadResult:
         raise IntegrityError(f"{request.artifact}: no {MANIFEST_NAME} (incomplete, or not prepared by ferry)")
     digest = _check_digest(data, request.expected_digest, request.artifact.rstrip("/"))
     manifest = Manifest.from_json(data)
+    if request.group is not None:
+        select(manifest, None, request.group)  # a group position the artifact cannot have is refused here too
     problem = artifact.damage(store, manifest)
     if problem:
         raise IntegrityError(f"{request.artifact}: {problem}")
-    return LoadResult(digest, Selection(sorted(manifest.files, key=lambda e: e.path), None),
-                      time.monotonic() - started, "checked (sizes and ETags; content not read: vLLM streams it)")
+    # Every object is checked, whatever this pod's ranks.
+    selection = Selection(sorted(manifest.files, key=lambda e: e.path), None, request.group,
+                          whole="every object of an object-store artifact is checked, by every pod of the group")
+    return LoadResult(digest, selection, time.monotonic() - started,
+                      "checked (sizes and ETags; content not read: vLLM streams it)")
