@@ -355,14 +355,14 @@ def test_admission_policies_ship_enforced_and_the_operator_is_told_their_names(h
 def test_every_serving_deployment_a_spec_can_hold_is_authorised(helm):
     """The references policy checks deployments[0..N-1] and targets[0..N-1] one by one (a message may
     not call the authorizer): N must be the API's own limit on each list."""
-    from ferry_operator.api.types import Serving
+    from ferry_operator.api.types import MAX_WORKLOADS, Serving
 
     (policy,) = [p for p in by_kind(render(helm), "ValidatingAdmissionPolicy")
                  if p["metadata"]["name"] == "ferry-references"]
     for field in ("deployments", "targets"):
         checked = [v for v in policy["spec"]["validations"] if f"spec.serving.{field}[" in v["messageExpression"]]
         limit = next(m.max_length for m in Serving.model_fields[field].metadata if hasattr(m, "max_length"))
-        assert len(checked) == limit == 32, field
+        assert len(checked) == limit == MAX_WORKLOADS, field
 
 
 NODE_CACHE = "ferry-node-cache"

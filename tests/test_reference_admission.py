@@ -180,3 +180,36 @@ def test_a_request_that_leaves_the_spec_alone_is_not_checked_again(crd, team):
     proc = crd.kubectl("patch", "--as", USER, "-n", team, "mw/admin-made", "--type=merge",
                        "-p", '{"spec": {"source": {"revision": "v2"}}}', check=False)
     assert proc.returncode != 0 and "may not get secrets/team-b-s3" in proc.stderr, proc.stderr
+
+
+def test_the_most_workloads_a_spec_may_name_fit_the_policys_cel_budget(crd, team):
+    """Each authorizer check costs the policy's CEL budget (about 350,000 of 10,000,000 per request): the
+    most workloads serving may name (deployments and targets together), each checked as the user, plus a
+    Secret reference, must still be admitted, not refused for the policy's cost."""
+    from ferry_operator.api.types import MAX_WORKLOADS
+
+    crd.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+               "metadata": {"name": "patch-workloads", "namespace": team},
+               "rules": [{"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": ["patch"]},
+                         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]})
+    bind(crd, team, "patch-workloads")
+    half = MAX_WORKLOADS // 2
+    # Every other reference a spec can carry at once, each checked too: three Secrets and a claim to create.
+    obj = modelweights("many", source={"uri": "s3://models/llama", "credentialsSecretRef": {"name": "team-b-s3"}},
+                       format={"type": "tensorizer", "tensorizer": {"encryptionSecretRef": {"name": "team-b-s3"}}},
+                       storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://team-a/x",
+                                                               "credentialsSecretRef": {"name": "team-b-s3"}}},
+                       serving={"deployments": [{"name": f"d{i}"} for i in range(half)],
+                                "targets": [{"kind": "StatefulSet", "name": f"s{i}"}
+                                            for i in range(MAX_WORKLOADS - half)]})
+
+    def admitted():
+        proc = as_user(crd, team, "create", obj)
+        assert "budget" not in proc.stderr and "cost" not in proc.stderr, proc.stderr
+        return proc.returncode == 0
+    wait_for(admitted, "the spec with the most workloads admitted (her grants take a moment)")
+    one_more = modelweights("too-many", serving={"deployments": [{"name": f"d{i}"} for i in range(half + 1)],
+                                                 "targets": [{"kind": "StatefulSet", "name": f"s{i}"}
+                                                             for i in range(MAX_WORKLOADS - half)]})
+    proc = as_user(crd, team, "create", one_more)
+    assert proc.returncode != 0 and f"at most {MAX_WORKLOADS} workloads" in proc.stderr, proc.stderr

@@ -253,3 +253,72 @@ def test_weights_loaded_counts_pods_and_whole_groups():
     assert pods[1].workload == "leaderworkerset/llama" and pods[1].group == "leaderworkerset/llama#0"
     loads = summarize(pods, DIGEST, 4, {"leaderworkerset/llama": (2, 2)})
     assert loads.describe() == "3/4 pods loaded, 1/2 groups" and not loads.complete
+
+
+def test_a_group_taken_back_to_one_pod_loses_ferrys_multi_node_flags_and_env():
+    grouped = spec_with([{"kind": "LeaderWorkerSet", "name": "llama", "groupSize": 2}])
+    facts = leaderworkerset_facts(lws())
+    workers, _ = groups_of(grouped.serving.targets[0], facts)
+    wired = strategic.apply(lws()["spec"]["leaderWorkerTemplate"]["workerTemplate"],
+                            template_patch(grouped, "llama", ARTIFACT, "vllm", facts, LOADER, workers)["spec"]["template"])
+    assert wired["metadata"]["annotations"]["ferry.dev/group-size"] == "2"
+    single = spec_with([{"kind": "LeaderWorkerSet", "name": "llama"}])
+    patch = template_patch(single, "llama", ARTIFACT, "vllm", template_facts("llama", wired), LOADER)
+    after = strategic.apply(wired, patch["spec"]["template"])
+    vllm = after["spec"]["containers"][0]
+    assert not {"--nnodes", "--node-rank", "--master-addr", "--headless"} & set(vllm["args"]), vllm["args"]
+    assert GROUP_INDEX_ENV not in [e["name"] for e in vllm.get("env", [])]
+    (loader,) = after["spec"]["initContainers"]
+    assert GROUP_INDEX_ENV not in [e["name"] for e in loader["env"]] and "--group-size" not in loader["args"]
+    assert "ferry.dev/group-size" not in after["metadata"]["annotations"]
+    assert template_patch(single, "llama", ARTIFACT, "vllm", template_facts("llama", after), LOADER) is None
+
+
+def test_pods_that_serve_no_http_get_no_health_probe():
+    """A headless LWS worker, and every pod of a StatefulSet group (they share a template; all but pod 0 run
+    headless): readiness is the loader's gate; a probe copied from the leader is removed, never added."""
+    spec = spec_with([{"kind": "LeaderWorkerSet", "name": "llama", "groupSize": 2}])
+    probed = lws()
+    probed["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": 8000}}
+    facts = leaderworkerset_facts(probed)
+    workers, _ = groups_of(spec.serving.targets[0], facts)
+    patch = template_patch(spec, "llama", ARTIFACT, "vllm", facts, LOADER, workers)
+    assert container(patch, "vllm")["readinessProbe"] is None
+    after = strategic.apply(probed["spec"]["leaderWorkerTemplate"]["workerTemplate"], patch["spec"]["template"])
+    assert "readinessProbe" not in after["spec"]["containers"][0]
+    assert template_patch(spec, "llama", ARTIFACT, "vllm", template_facts("llama", after), LOADER, workers) is None
+    sts_spec = spec_with([{"kind": "StatefulSet", "name": "llama", "groupSize": 2}])
+    sts = statefulset_facts({"metadata": {"name": "llama"}, "spec": {"replicas": 2, "serviceName": "hl",
+                                                                      "template": vllm_template(["m"])}})
+    group, _ = groups_of(sts_spec.serving.targets[0], sts)
+    assert "readinessProbe" not in container(template_patch(sts_spec, "llama", ARTIFACT, "vllm", sts, LOADER, group),
+                                             "vllm")
+
+
+def test_a_leaderworkerset_is_rolled_out_only_once_its_pods_serve_the_artifact():
+    """LWS keeps no observedGeneration: its status right after Ferry's patch still says the old groups are
+    ready. Ready waits for every pod of the current artifact to be Ready."""
+    from ferry_operator.weights_loaded import PodFacts
+
+    obj = manifest(format=PP2, serving={"readinessGate": False, "targets": [
+        {"kind": "LeaderWorkerSet", "name": "llama", "groupSize": 2}]})
+    spec = parse(obj).spec
+    body = lws(status={"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1})
+    lwt = body["spec"]["leaderWorkerTemplate"]
+    facts = leaderworkerset_facts(body)
+    workers, leader = groups_of(spec.serving.targets[0], facts)
+    for field, current, group in (("workerTemplate", facts, workers), ("leaderTemplate", facts.leader, leader)):
+        lwt[field] = strategic.apply(lwt[field], template_patch(spec, "llama", ARTIFACT, "vllm", current, None,
+                                                                group)["spec"]["template"])
+    wired = leaderworkerset_facts(body)
+    assert wired.rolled_out  # the stale status
+    stale = planned(obj, {"leaderworkerset/llama": wired})
+    assert {c.type: c for c in stale.status.conditions}["Ready"].status != "True"
+    pods = [PodFacts(name=f"llama-0{s}", owner="llama", digest=DIGEST, gate=None, workload="leaderworkerset/llama",
+                     ready=True) for s in ("", "-1")]
+    mw = parse(obj)
+    done = {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(mw.spec)}
+    facts_ = ArtifactFacts(uri="pvc://weights/llama/abc", total_bytes=1 << 30, manifest_digest=DIGEST)
+    ready = plan(mw, Observed(steps=done, artifact=facts_, workloads={"leaderworkerset/llama": wired}, pods=pods))
+    assert {c.type: c for c in ready.status.conditions}["Ready"].status == "True"

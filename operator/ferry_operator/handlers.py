@@ -569,8 +569,8 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
         elif isinstance(action, PatchWorkload):
             log.info("%s/%s: wiring %s %s", namespace, name, action.kind.lower(), action.name)
-            if action.reporter_service_account:
-                ensure_reporter(namespace, action.reporter_service_account)
+            for account in {action.reporter_service_account, action.leader_service_account} - {None}:
+                ensure_reporter(namespace, account)
             workload_api.patch(APPS, CUSTOM, namespace, action)
         done.append(action)
     return result.status, result.requeue_after

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
-                        Progress, ServingTarget, StepRetry)
+                        Progress, ServingTarget, StepRetry, WorkloadKind)
 from .conditions import get_condition, now, phase_of, set_condition
 from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, cache_plan
 from .serving import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
@@ -123,8 +123,11 @@ class PatchWorkload:
     # The pods' loader reports with this ServiceAccount's token: bind it the reporter role first.
     reporter_service_account: str | None = None
     kind: str = "Deployment"
-    # A LeaderWorkerSet's leaderTemplate, patched the same way (None: unchanged, or none).
+    # A LeaderWorkerSet's leaderTemplate, patched the same way (None: unchanged, or none), the account its
+    # pods report with, and the resourceVersion both templates were planned from.
     leader_patch: dict | None = None
+    leader_service_account: str | None = None
+    resource_version: str = ""
 
 
 @dataclass
@@ -372,7 +375,7 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         elif patch is not None:
             actions.append(patch)
             waiting.append(f"{target.describe()} patched")
-        elif not current.rolled_out:
+        elif not current.rolled_out or not _pods_caught_up(observed, target, current, facts):
             waiting.append(f"{target.describe()} rolling out")
     loading_only = False
     status.loaded = None
@@ -404,6 +407,17 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
     return _ready(mw, facts, draft, keep_previous)
 
 
+def _pods_caught_up(observed: Observed, target: ServingTarget, current: WorkloadFacts, facts: Artifact) -> bool:
+    """A LeaderWorkerSet keeps no observedGeneration: right after a patch its status still describes the
+    old groups. Rolled out only once every pod it runs is of the current artifact and Ready."""
+    if current.kind != WorkloadKind.LEADER_WORKER_SET.value:
+        return True
+    digest = facts.manifest_digest or facts.uri
+    ready = [p for p in observed.pods if p.workload == target.key and p.digest == digest and p.ready
+             and not p.terminating]
+    return len(ready) >= current.replicas
+
+
 def _wire(mw: ModelWeights, facts: Artifact, target: ServingTarget, current: WorkloadFacts,
           loader: LoaderSettings | None, gated: bool) -> PatchWorkload | None:
     """The patch that wires `target` (both templates of a LeaderWorkerSet), None if it is wired."""
@@ -415,8 +429,10 @@ def _wire(mw: ModelWeights, facts: Artifact, target: ServingTarget, current: Wor
         leader_patch = template_patch(mw.spec, name, facts, target.container, current.leader, loader, leader_group)
     if patch is None and leader_patch is None:
         return None
+    leader_account = current.leader.service_account if gated and current.leader is not None else None
     return PatchWorkload(target.name, patch, current.service_account if gated else None, kind=target.kind,
-                         leader_patch=leader_patch)
+                         leader_patch=leader_patch, resource_version=current.resource_version,
+                         leader_service_account=leader_account)
 
 
 def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft) -> CachePlan | Plan | None:

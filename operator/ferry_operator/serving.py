@@ -58,9 +58,13 @@ class WorkloadFacts:
     groups: int = 1  # serving groups (an LWS's replicas)
     leader: WorkloadFacts | None = None  # a LeaderWorkerSet's leaderTemplate, when it has one
     service_name: str = ""  # a StatefulSet's governing Service: its pods' DNS names
+    resource_version: str = ""  # as read: an LWS's patch is refused if it changed since
 
 
 GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
+# The group size Ferry wired a template for: tells Ferry's multi-node flags and env from a user's, so
+# going back to groupSize 1 removes them.
+GROUP_ANNOTATION = "ferry.dev/group-size"
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,10 @@ class Group:
     size: int
     index_label: str
     master_addr: str
-    headless: bool = False
+    headless: bool = False  # Ferry adds --headless: the template's pods run no API server (an LWS's workers)
+    # Ferry may probe /health: only where every pod of the template serves HTTP (an LWS's leader). A
+    # StatefulSet's pods share one template and all but pod 0 run headless, so its readiness is the gate.
+    probe: bool = False
 
     def env(self) -> dict[str, Any]:
         return {"name": GROUP_INDEX_ENV, "valueFrom": {"fieldRef": {
@@ -401,7 +408,8 @@ def template_patch(
     local = gated and mounted is not None and spec.serving.local_copy
     served_from = LOCAL_PATH if local else location
     flags = ferry_flags(spec, artifact.uri) + (group.vllm_flags() if group else [])
-    new_command, new_args = shape.wire(served_from, flags, served, ours)
+    was_grouped = GROUP_ANNOTATION in current.template_annotations
+    new_command, new_args = shape.wire(served_from, flags, served, ours, group is not None or was_grouped)
     digest = artifact.manifest_digest or artifact.uri
     env = s3_env(spec) if mounted is None else []
     init = loader_container(loader, location, digest, [mounted[1]] if mounted else [], env) if gated else None
@@ -411,11 +419,15 @@ def template_patch(
     if init is not None and group is not None:
         init["args"] += group.loader_args()
         init["env"].append(group.env())
-    # A headless vLLM (a group's non-leader pod) serves no HTTP: no /health to probe.
-    probed = name in current.probed or (group is not None and group.headless)
+    elif init is not None and GROUP_ANNOTATION in current.template_annotations:
+        init["env"].append({"name": GROUP_INDEX_ENV, "$patch": "delete"})
+    # In a group, only a template whose every pod serves HTTP is probed; a probe on one that does not
+    # (Ferry's from before, or a copy of the leader's) would keep its pods unready for good.
+    unprobed = group is not None and not group.probe
+    probe_current = (name not in current.probed) if unprobed else name in current.probed
     have = current.init_containers.get(LOADER_CONTAINER)
     loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
-                      and probed) if init else (have is None and GATE not in current.readiness_gates)
+                      and probe_current) if init else (have is None and GATE not in current.readiness_gates)
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = (not current.weights_volume if mounted is None
                       else (current.weights_volume == "csi") == ("csi" in mounted[0]))
@@ -436,6 +448,10 @@ def template_patch(
     _bring_weights(spec, artifact, pod, c, init, mounted, env, current.weights_volume, local)
     if group is not None:
         c.setdefault("env", []).append(group.env())
+    elif was_grouped:
+        c.setdefault("env", []).append({"name": GROUP_INDEX_ENV, "$patch": "delete"})
+    if unprobed and name in current.probed:
+        c["readinessProbe"] = None
     key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
     if key is not None and spec.format.type == FormatType.TENSORIZER.value:
         pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {
@@ -446,13 +462,17 @@ def template_patch(
         pod["initContainers"] = [init]
         pod["readinessGates"] = wired_gates(current.readiness_gates)
         pod.setdefault("volumes", []).append(token_volume())
-        if not probed:
+        if not probe_current and not unprobed:
             c["readinessProbe"] = health_probe(new_command + new_args)
     elif have is not None or GATE in current.readiness_gates:
         pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]
         pod["readinessGates"] = unwired_gates(current.readiness_gates)
         pod.setdefault("volumes", []).append({"name": TOKEN_VOLUME, "$patch": "delete"})
     annotations: dict[str, Any] = {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}
+    if group is not None:
+        annotations[GROUP_ANNOTATION] = str(group.size)
+    elif was_grouped:
+        annotations[GROUP_ANNOTATION] = None
     if served is not None:
         annotations[SERVED_NAME_ANNOTATION] = served
     elif ferry_set is not None:

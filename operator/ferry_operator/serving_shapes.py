@@ -76,8 +76,8 @@ MANAGED_FLAGS = {
 # of vLLM's BooleanOptionalAction: a user's is dropped, so the flag is Ferry's alone.
 MANAGED_SWITCHES = frozenset({"--enable-expert-parallel", "-ep", "--no-enable-expert-parallel"})
 # vLLM's multi-node flags (its multiprocessing backend: --nnodes/--node-rank/--master-addr, workers
-# --headless). Ferry decides them only for a workload whose pods form a group (ServingTarget.groupSize > 1):
-# when Ferry's flags carry --nnodes, a user's spellings of these go; otherwise they are the user's.
+# --headless). Ferry decides them only for a workload whose pods form a group (ServingTarget.groupSize > 1),
+# and removes its own once it no longer does; otherwise they are the user's.
 GROUP_FLAGS = frozenset({"--nnodes", "-n", "--node-rank", "-r", "--master-addr"})
 GROUP_SWITCHES = frozenset({"--headless"})
 
@@ -295,15 +295,16 @@ class Recognised:
     shape: str  # e.g. "`vllm serve` in command/args"; for messages
     model: str | None  # the model the container names (positional or --model); None: none given
     served_names: list[str] | None  # the --served-model-name values; None: unset
-    _wire: Callable[[str, list[str], str | None, bool], tuple[list[str], list[str]]] = field(repr=False)
+    _wire: Callable[[str, list[str], str | None, bool, bool], tuple[list[str], list[str]]] = field(repr=False)
     args: tuple[Tok, ...] = ()  # the words vLLM parses as its arguments (after `serve` or the module)
 
     def wire(self, model: str, flags: list[str], served_name: str | None,
-             replace_served: bool) -> tuple[list[str], list[str]]:
+             replace_served: bool, replace_group: bool = False) -> tuple[list[str], list[str]]:
         """(command, args) with `model` where vLLM reads it, Ferry's `flags` last, then
         `--served-model-name served_name` (unless None); replace_served drops the
-        current --served-model-name first (it is Ferry's own)."""
-        return self._wire(model, flags, served_name, replace_served)
+        current --served-model-name first (it is Ferry's own); replace_group drops
+        vLLM's multi-node flags (Ferry's for a group, or left from one)."""
+        return self._wire(model, flags, served_name, replace_served, replace_group)
 
 
 def _model_tok(kind: str, rest: list[Tok]) -> tuple[Tok | None, Tok | None]:
@@ -328,9 +329,10 @@ def _invocation(kind: str, toks: list[Tok], start: int, shape: str) -> tuple[str
                            "replace a model it cannot read: write the model literally (or leave it out: Ferry "
                            "sets it)")
 
-    def rewrite(model: str, flags: list[str], served_name: str | None, replace_served: bool) -> list[Tok]:
+    def rewrite(model: str, flags: list[str], served_name: str | None, replace_served: bool,
+                replace_group: bool = False) -> list[Tok]:
         args = rest[1:] if positional is not None else rest
-        kept = _strip(args, replace_served, group="--nnodes" in flags)
+        kept = _strip(args, replace_served, replace_group)
         new = [Tok(v) for v in flags]
         if served_name is not None:
             new += [Tok(SERVED_NAME_FLAG), Tok(served_name)]

@@ -38,6 +38,7 @@ class PodFacts:
     created: datetime | None = None
     uid: str = ""
     group: str = ""  # the serving group it belongs to (group_of); a Deployment's pod is a group of its own
+    ready: bool = False  # its Ready condition is True
 
 
 LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
@@ -80,6 +81,7 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         workload=workload_of(body), trouble=pod_trouble(body),
         node=(body.get("spec") or {}).get("nodeName") or "", awaiting_volumes=_awaiting_volumes(status),
         created=_time(meta.get("creationTimestamp")), group=group_of(body, workload_of(body)),
+        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []),
     )
 
 

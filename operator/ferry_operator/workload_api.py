@@ -41,8 +41,8 @@ def read(apps: Any, custom: Any, namespace: str, target: ServingTarget, index: A
 def patch(apps: Any, custom: Any, namespace: str, action: PatchWorkload) -> None:
     """Deployments and StatefulSets take the strategic-merge patch as it is. A LeaderWorkerSet is a custom
     resource (JSON merge and JSON patch only): its templates are merged here (strategic.py) and replaced in
-    one JSON patch that first tests the resourceVersion they were merged from, so a concurrent change fails
-    (409/422) and the next reconcile merges again instead of overwriting it."""
+    one JSON patch that first tests the resourceVersion the patch was planned from (and merged onto), so a
+    change since fails it (422) and the next reconcile plans again instead of overwriting the change."""
     if action.kind == WorkloadKind.DEPLOYMENT.value:
         apps.patch_namespaced_deployment(action.name, namespace, action.patch, _content_type=STRATEGIC)
         return
@@ -53,7 +53,7 @@ def patch(apps: Any, custom: Any, namespace: str, action: PatchWorkload) -> None
     body = json.loads(custom.get_namespaced_custom_object(api.group, api.version, namespace, api.plural,
                                                           action.name, _preload_content=False).data)
     ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/resourceVersion",
-                                  "value": body["metadata"]["resourceVersion"]}]
+                                  "value": action.resource_version or body["metadata"]["resourceVersion"]}]
     lwt = body["spec"]["leaderWorkerTemplate"]
     for field, template_patch in (("workerTemplate", action.patch), ("leaderTemplate", action.leader_patch)):
         if template_patch is not None:

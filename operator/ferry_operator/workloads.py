@@ -70,7 +70,7 @@ def leaderworkerset_facts(body: Mapping[str, Any]) -> WorkloadFacts:
                   and (status.get("readyReplicas") or 0) == groups and (status.get("replicas") or 0) == groups)
     name = meta.get("name", "")
     workload = {"kind": WorkloadKind.LEADER_WORKER_SET.value, "rolled_out": rolled_out, "replicas": groups * size,
-                "group_size": size, "groups": groups}
+                "group_size": size, "groups": groups, "resource_version": meta.get("resourceVersion", "")}
     leader = lwt.get("leaderTemplate")
     return template_facts(name, lwt.get("workerTemplate") or {}, **workload,
                           leader=template_facts(name, leader, **workload) if leader else None)
@@ -108,7 +108,7 @@ def groups_of(target: ServingTarget, facts: WorkloadFacts) -> tuple[Group | None
         raise ServingError(f"{target.describe()} has no leaderTemplate: in vLLM's multi-node launch the leader "
                            f"runs the API server and the workers run --headless; give it a leaderTemplate")
     return (Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, headless=True),
-            Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS))
+            Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, probe=True))
 
 
 class GroupSizeMismatch(ServingError):

@@ -1,7 +1,7 @@
-"""A LeaderWorkerSet as a serving target on the real node (issue 18): LWS's own controller (a host process
-of the local cluster, e2e/localcluster_lws.py) makes a group of two pods, leader and worker, from the
-templates the chart's operator wired for a PP 2 artifact, and each pod's loader verifies only its own
-pipeline stage.
+"""LeaderWorkerSets and StatefulSets as serving targets on the real node (issue 18): LWS's own controller
+(a host process of the local cluster, e2e/localcluster_lws.py) makes a group of two pods, leader and
+worker, from the templates the chart's operator wired for a PP 2 artifact, and each pod's loader verifies
+only its own pipeline stage; the same for a StatefulSet of two replicas forming one group.
 
 The serving process is the busybox stand-in (node_support.STANDIN: it prints the argv it got, after the
 kubelet expanded $(FERRY_GROUP_INDEX) and $(LWS_LEADER_ADDRESS), and answers /health); what vLLM makes
@@ -159,3 +159,38 @@ def test_a_leaderworkerset_group_loads_one_pipeline_stage_per_pod(node, chart_op
     s = wait_for(stalled, "WeightsLoaded False naming the stage-1 file", 120)
     assert condition(s, "WeightsLoaded")["reason"] == "VerificationFailed"
     assert condition(s, "Ready").get("status") != "True"
+
+
+def test_a_statefulset_group_loads_one_pipeline_stage_per_ordinal(node, chart_operator, node_s3, checkpoint):
+    """A StatefulSet of 2 replicas as one group (groupSize 2): pod i (its ordinal, the kubelet's
+    apps.kubernetes.io/pod-index label) loads pipeline stage i; vLLM's --master-addr is pod 0's DNS name
+    under the StatefulSet's headless Service."""
+    name = unique("sts")
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    node.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"clusterIP": "None", "selector": {"app": name}, "ports": [{"port": 8000}]}})
+    node.apply({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"replicas": 2, "serviceName": name, "podManagementPolicy": "Parallel",
+                         "selector": {"matchLabels": {"app": name}}, "template": standin_template(node, name)}})
+    mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "sharded_state", "pipelineParallelSize": 2,
+                                                         "vllmVersion": "0.32"}, secret=f"{name}-s3")
+    mw["spec"]["serving"] = {"targets": [{"kind": "StatefulSet", "name": name, "container": "vllm", "groupSize": 2}]}
+    node.apply(mw)
+    status = wait_ready(node, NAMESPACE, name, timeout=420)
+    loaded = condition(status, "WeightsLoaded")
+    assert loaded["status"] == "True" and loaded["message"].startswith("2/2 pods loaded, 1/1 groups"), loaded
+
+    def started():
+        pods = {int(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"]): p
+                for p in node.get_json("pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]
+                if not p["metadata"].get("deletionTimestamp")}
+        return pods if len(pods) == 2 and all(serving_started(p) and gate(p).get("status") == "True"
+                                              for p in pods.values()) else None
+    pods = wait_for(started, f"both pods of {name} loaded and serving", 180)
+    for ordinal, pod in pods.items():
+        result = loader_result(pod)
+        assert (result["groupSize"], result["groupIndex"], result["ranks"]) == (2, ordinal, [ordinal]), result
+        log = node.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, "-c", "vllm").stdout
+        line = next(w for w in log.splitlines() if w.startswith("vllm "))
+        assert f"--nnodes 2 --node-rank {ordinal} --master-addr {name}-0.{name}" in line, line
