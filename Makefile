@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-unit crds controlplane storage lws node-packages s3server vllm images vllm-image cluster-up cluster-down demo demo-cluster bench protos clean
+.PHONY: all venv test test-unit crds controlplane storage lws coredns node-packages s3server vllm images vllm-image cluster-up cluster-down demo demo-cluster bench protos clean
 
 all: test
 
@@ -21,7 +21,7 @@ venv: $(VENV)/.installed
 # and vLLM compatibility. Builds (or reuses) what the tests need, all cached
 # outside the repo by version; the test session starts a cluster if none is
 # running and stops the one it started.
-test: venv node-packages controlplane storage lws s3server vllm images vllm-image
+test: venv node-packages controlplane storage lws coredns s3server vllm images vllm-image
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Tests that need no cluster, no vLLM and no image build (under a minute).
@@ -73,16 +73,21 @@ storage:
 lws:
 	bash e2e/lws/build.sh >/dev/null
 
+# CoreDNS (Go, cached by version): the local cluster's DNS for cluster.local names, a
+# host process on the node's bridge; see e2e/coredns/NOTES.md.
+coredns:
+	bash e2e/coredns/build.sh >/dev/null
+
 # The local cluster: control plane, the real node (kubelet + containerd) and
-# kwok's GPU node, and the LeaderWorkerSet controller. FERRY_NODE=0 leaves the real
+# kwok's GPU node, the LeaderWorkerSet controller and the cluster DNS. FERRY_NODE=0 leaves the real
 # node out (no root needed).
-cluster-up: venv node-packages controlplane storage lws images
+cluster-up: venv node-packages controlplane storage lws coredns images
 	$(PY) e2e/localcluster.py up
 
 cluster-down:
 	$(PYTHON) e2e/localcluster.py down
 
-demo: venv node-packages controlplane storage lws images
+demo: venv node-packages controlplane storage lws coredns images
 	$(PY) e2e/demo.py
 
 # The production path on one machine: helm install into the local cluster, the
@@ -91,7 +96,7 @@ demo: venv node-packages controlplane storage lws images
 # SERVE=gpu wires a Deployment on kwok's fake GPU node instead (no vLLM image).
 # Leaves it all running.
 SERVE ?= vllm
-demo-cluster: venv node-packages controlplane storage lws s3server images $(if $(filter vllm,$(SERVE)),vllm-image)
+demo-cluster: venv node-packages controlplane storage lws coredns s3server images $(if $(filter vllm,$(SERVE)),vllm-image)
 	SERVE=$(SERVE) $(PY) e2e/demo_cluster.py
 
 # Benchmarks (minutes, several GiB of scratch space under /tmp); see README.

@@ -11,7 +11,9 @@ etcd + kube-apiserver + kube-controller-manager + kube-scheduler, and two nodes:
   request `nvidia.com/gpu` get the toleration from the
   ExtendedResourceToleration admission plugin, as on GKE and AKS.
 The LeaderWorkerSet controller (sigs.k8s.io/lws) runs as a host process beside
-the control plane, with its CRD and webhooks (e2e/localcluster_lws.py).
+the control plane, with its CRD and webhooks (e2e/localcluster_lws.py); with
+the real node, so does CoreDNS, the cluster DNS on the bridge address that
+answers cluster.local names only (e2e/localcluster_dns.py).
 Binaries come from e2e/controlplane/build.sh (built from the Go module proxy,
 cached by version) or FERRY_K8S_ASSETS. FERRY_NODE=0 leaves the real node out
 (no root needed; the API server then listens on loopback only).
@@ -44,6 +46,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import localcluster_dns
 import localcluster_lws
 import localnode
 
@@ -244,6 +247,9 @@ class Cluster:
 
     def up(self, timeout: float = 120) -> None:
         if self.running():
+            if node_enabled() and localcluster_dns.PROCESS not in json.loads(self.pids_file.read_text()):
+                raise SystemExit("the running local cluster was started without cluster DNS (an older harness): "
+                                 "its kubelet gives pods no nameserver. Run `make cluster-down` and start it again.")
             self._ensure_lws(timeout)
             print(f"local cluster already running; KUBECONFIG={KUBECONFIG}")
             return
@@ -254,6 +260,7 @@ class Cluster:
         (CLUSTER / "bin.json").write_text(json.dumps({"bin": str(bin_dir)}))
         provisioner_bin = storage_provisioner() if with_node else ""
         lws_assets = localcluster_lws.assets()
+        coredns_bin = localcluster_dns.binary() if with_node else ""
         pki = CLUSTER / "pki"
         make_pki(pki)
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -374,7 +381,11 @@ class Cluster:
         for name in FAKE_NODES:
             self._create_fake_node(name)
         if with_node:
+            pids[localcluster_dns.PROCESS] = self._start_dns(coredns_bin, pki, server, ca)
+            self.pids_file.write_text(json.dumps(pids))
             self._start_node(pids, bin_dir, provisioner_bin, cfgs, ca, timeout)
+            dns = localcluster_dns.Server(CLUSTER / "dns")
+            self._wait(dns.ready, timeout, "CoreDNS /ready (its informers synced)", pids)
         # The serviceaccount controller must have made `default` before pods can be created.
         self._wait(lambda: self._kubectl("get", "serviceaccount", "default", "-n", "default", check=False) == 0,
                    timeout, "default ServiceAccount", pids)
@@ -399,6 +410,18 @@ class Cluster:
         lws.prepare(lambda out, name, subject, ext: signed_cert(pki, name, subject, ext, out=out), free_port,
                     localnode.NODE_IP)
         return self._spawn(localcluster_lws.PROCESS, lws.argv(assets.binary, cfg))
+
+    def _start_dns(self, binary: str, pki: Path, server: str, ca: Path) -> int:
+        """CoreDNS on the node's bridge address with its own client-certificate
+        identity (list/watch of Services, EndpointSlices, pods, namespaces); returns its pid."""
+        for obj in localcluster_dns.rbac():
+            self._apply(obj)
+        signed_cert(pki, "coredns", f"/CN={localcluster_dns.USER}", "extendedKeyUsage=clientAuth")
+        cfg = CLUSTER / "coredns.kubeconfig"
+        cfg.write_text(kubeconfig(server, ca, None, "coredns", cert=pki / "coredns.crt"))
+        dns = localcluster_dns.Server(CLUSTER / "dns")
+        dns.prepare(localnode.NODE_IP, cfg, free_port())
+        return self._spawn(localcluster_dns.PROCESS, dns.argv(binary))
 
     def _register_lws(self, ca: Path, pids: dict[str, int], timeout: float, teardown: bool = True) -> None:
         """Once the LWS webhook server answers, point the API server at it."""
@@ -507,6 +530,7 @@ class Cluster:
                 _kill(pid)
         # An LWS controller that a crashed `up` did not record, found by its config path.
         localnode.stop(localnode.pids_mentioning(str(localcluster_lws.Controller(CLUSTER / "lws").config)))
+        localnode.stop(localnode.pids_mentioning(str(localcluster_dns.Server(CLUSTER / "dns").corefile)))
         # The node's leftovers whether or not it was recorded (a crashed `up`).
         paths = node_paths()
         # Only this state dir's node: the bridge and iptables are the machine's, and
@@ -524,10 +548,11 @@ class Cluster:
 
 def leftovers() -> dict[str, list[str]]:
     """What of the cluster is still on this machine after `down`: the node's
-    leftovers, and any process that names the LWS controller's files."""
+    leftovers, and any process that names the LWS controller's or CoreDNS's files."""
     left = localnode.leftovers(node_paths())
-    lws = [f"{p} {localnode._cmdline(p)[:120]}" for p in localnode.pids_mentioning(str(CLUSTER / "lws"))]
-    left["processes"] = left["processes"] + [p for p in lws if p not in left["processes"]]
+    ours = [f"{p} {localnode._cmdline(p)[:120]}"
+            for p in localnode.pids_mentioning(str(CLUSTER / "lws"), str(CLUSTER / "dns"))]
+    left["processes"] = left["processes"] + [p for p in ours if p not in left["processes"]]
     return left
 
 

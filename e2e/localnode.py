@@ -270,9 +270,11 @@ def kubelet_config(paths: NodePaths, ca: Path, healthz_port: int) -> dict:
         "failSwapOn": False,
         "containerRuntimeEndpoint": f"unix://{paths.containerd_sock}",
         "podLogsDir": str(paths.root / "pod-logs"),
-        # Pods get no DNS server (there is none here, and the host's would be
-        # off this machine); they reach the API server by the Service IP.
+        # ClusterFirst pods ask CoreDNS on the bridge (localcluster_dns.py), which
+        # answers cluster.local names only; pods with dnsPolicy Default get this
+        # file, which names no server: the host's resolver is off this machine.
         "resolvConf": str(resolv),
+        "clusterDNS": [NODE_IP],
         "clusterDomain": "cluster.local",
         "maxPods": 40,
         "serializeImagePulls": False,
@@ -514,7 +516,8 @@ class Node:
         share_mounts(p.kubelet_root)
         (p.root / "containerd.toml").write_text(containerd_config(p, pause_image))
         (p.root / "cni" / "net.d" / "10-ferry.conflist").write_text(json.dumps(cni_config(p, service_cidr), indent=2))
-        (p.root / "resolv.conf").write_text("# the local cluster has no DNS server\noptions ndots:1\n")
+        (p.root / "resolv.conf").write_text("# dnsPolicy Default: no server (the host's is off this machine)\n"
+                                            "options ndots:1\n")
         # No registry is reachable, and none may be tried: every image is
         # imported. A pull (an image missing from the node) goes to a proxy on
         # a closed loopback port and fails at once, without even a DNS lookup.

@@ -30,25 +30,12 @@ root="$cache/lws/${LWS_VERSION}"
 if ready "$root"; then echo "$root/bin/lws-controller"; echo "$root/crd"; exit 0; fi
 
 command -v go >/dev/null || { echo "build.sh: Go is needed to build the LWS controller (or set FERRY_LWS_ASSETS)" >&2; exit 1; }
-# A wrapper module that requires sigs.k8s.io/lws: `go install pkg@version` would
-# ask the proxy for the module's version list (for deprecations), which it refuses.
 src="$root/src"
-mkdir -p "$root/bin" "$src"
-cd "$src"
-export CGO_ENABLED=0 GOFLAGS=-mod=mod
+mkdir -p "$root/bin"
+# shellcheck source=../gomod.sh
+source "$here/../gomod.sh"
 log() { echo "[lws] $*" >&2; }
-
-moddir=$(go mod download -json "sigs.k8s.io/lws@${LWS_VERSION}" |
-  python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(d["Error"]) if d.get("Error") else print(d["Dir"])')
-if [[ ! -f "$src/go.mod" ]]; then
-  {
-    echo "module ferry.dev/lws"
-    echo
-    echo "go $(awk '/^go /{print $2; exit}' "$moddir/go.mod")"
-    echo
-    echo "require sigs.k8s.io/lws ${LWS_VERSION}"
-  } > "$src/go.mod.tmp" && mv "$src/go.mod.tmp" "$src/go.mod"
-fi
+moddir=$(gomod_require "$src" ferry.dev/lws sigs.k8s.io/lws "$LWS_VERSION")
 
 # The CRDs, from the same module zip the binary is built from.
 if ! compgen -G "$root/crd/*.yaml" >/dev/null; then
@@ -61,10 +48,8 @@ fi
 if [[ ! -x "$root/bin/lws-controller" ]]; then
   log "building lws-controller ${LWS_VERSION}"
   pkg=sigs.k8s.io/lws/pkg/version
-  nice -n 19 go build -trimpath \
-    -ldflags "-s -w -X ${pkg}.GitVersion=${LWS_VERSION} -X ${pkg}.GitCommit=module-proxy -X ${pkg}.BuildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
-    -o "$root/bin/lws-controller.tmp" sigs.k8s.io/lws/cmd
-  mv "$root/bin/lws-controller.tmp" "$root/bin/lws-controller"
+  gomod_build "$src" "$root/bin/lws-controller" sigs.k8s.io/lws/cmd \
+    -ldflags "-s -w -X ${pkg}.GitVersion=${LWS_VERSION} -X ${pkg}.GitCommit=module-proxy -X ${pkg}.BuildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 fi
 echo "$root/bin/lws-controller"
 echo "$root/crd"

@@ -1,7 +1,9 @@
 """The real node's network keeps every packet on this machine: pods live on the
 cluster's own bridge with routes only to the pod subnet and the Service range,
-nothing is masqueraded, and forwarding off the bridge is dropped. These tests
-read configuration; the only traffic they cause is pod -> host on the bridge."""
+nothing is masqueraded, and forwarding off the bridge is dropped; the cluster
+DNS (CoreDNS on the bridge) answers cluster names and refuses every other
+name. These tests read configuration and ask that DNS; the only traffic they
+cause is pod -> host on the bridge."""
 from __future__ import annotations
 
 import ipaddress
@@ -10,6 +12,7 @@ import subprocess
 import pytest
 
 import localcluster
+import localcluster_dns
 import localnode
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
@@ -45,8 +48,41 @@ def test_pods_have_no_route_off_the_machine(node, namespace, images):
     nets = routes(logs)
     assert ipaddress.IPv4Network("0.0.0.0/0") not in nets
     assert set(nets) == {ipaddress.IPv4Network(localnode.POD_CIDR), ipaddress.IPv4Network(localcluster.SERVICE_CIDR)}
-    # No DNS server to ask: the machine's resolver is off this machine.
-    assert "nameserver" not in logs
+    # The only DNS server is the cluster's, on the bridge; never the machine's resolver.
+    nameservers = [line.split()[1] for line in logs.splitlines() if line.startswith("nameserver")]
+    assert nameservers == [localnode.NODE_IP]
+    assert f"search {namespace}.svc.{localcluster_dns.DOMAIN} svc.{localcluster_dns.DOMAIN}" in logs
+
+
+def test_cluster_dns_answers_cluster_names_and_refuses_the_rest(node, namespace, images):
+    """Service names and a headless Service's per-pod names (what a StatefulSet's
+    and an LWS group's pods use to find each other) resolve; any other name is
+    REFUSED by the server itself: it has nothing to forward to."""
+    node.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "peers", "namespace": namespace},
+                "spec": {"clusterIP": "None", "selector": {"app": "peer"}, "publishNotReadyAddresses": True}})
+    node.apply({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "peer", "namespace": namespace, "labels": {"app": "peer"}},
+                "spec": {"nodeName": localnode.NODE_NAME, "hostname": "peer-0", "subdomain": "peers",
+                         "securityContext": {"runAsUser": 65532, "runAsGroup": 65532, "runAsNonRoot": True},
+                         "containers": [{"name": "c", "image": images["busybox"]["ref"], "imagePullPolicy": "Never",
+                                         "command": ["sleep", "600"],
+                                         "securityContext": {"readOnlyRootFilesystem": True,
+                                                             "allowPrivilegeEscalation": False,
+                                                             "capabilities": {"drop": ["ALL"]}}}]}})
+    node.kubectl("wait", "--for=jsonpath={.status.podIP}", "pod/peer", "-n", namespace, "--timeout=60s", timeout=70)
+    peer_ip = node.get_json("pod", "peer", "-n", namespace)["status"]["podIP"]
+    domain = localcluster_dns.DOMAIN
+    names = {"service": f"kubernetes.default.svc.{domain}", "peer": f"peer-0.peers.{namespace}.svc.{domain}",
+             "outside": "example.com"}
+    # The per-pod record appears once the EndpointSlice controller has seen the pod: ask until then.
+    script = "; ".join(f"echo '== {key}'; until nslookup {name}; do [ {key} = peer ] || break; sleep 1; done"
+                       for key, name in names.items())
+    logs = run_pod(node, namespace, "lookups", images["busybox"]["ref"], script)
+    answers = dict(part.split("\n", 1) for part in logs.split("== ")[1:])
+    assert "Address: 10.96.0.1" in answers["service"], answers["service"]
+    assert f"Address: {peer_ip}" in answers["peer"], answers["peer"]
+    assert "REFUSED" in answers["outside"] and "Address: " not in answers["outside"].split("53\n", 1)[1], \
+        answers["outside"]
 
 
 def test_nothing_masquerades_or_forwards_pod_traffic():

@@ -5,8 +5,8 @@ only its own pipeline stage; the same for a StatefulSet of two replicas forming 
 
 The serving process is the busybox stand-in (node_support.STANDIN: it prints the argv it got, after the
 kubelet expanded $(FERRY_GROUP_INDEX) and $(LWS_LEADER_ADDRESS), and answers /health); what vLLM makes
-of those argvs is proven by vLLM's own parser in tests/test_serving_vllm.py. A real two-pod vLLM is not
-run: LWS_LEADER_ADDRESS is a DNS name, and this cluster has no DNS server.
+of those argvs is proven by vLLM's own parser in tests/test_serving_vllm.py, and a real two-pod vLLM
+engine on an LWS by tests/node/test_vllm_on_node.py.
 """
 from __future__ import annotations
 

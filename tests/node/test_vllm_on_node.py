@@ -41,6 +41,7 @@ SERVE_TIMEOUT_S = 900  # a Job, then vLLM's imports and engine start in a pod on
 WEIGHTS_LOADED = "Loading weights took "
 # The Run:ai Model Streamer's progress bar in vLLM's log (local TP rank 0).
 STREAMER_BAR = "Loading safetensors using Runai Model Streamer"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +246,64 @@ def test_vllm_in_a_pod_streams_runai_streamer_from_s3(node, chart_operator, node
         served_log = f.read().decode(errors="replace")
     for weights in (f"model-{n:05d}-of-{CASE.files:05d}.safetensors" for n in range(1, CASE.files + 1)):
         assert f"GET OBJECT Bucket: {name} Object: {prefix}/{weights}" in served_log, served_log[-3000:]
+
+
+def test_vllm_runs_one_pipeline_stage_per_pod_of_a_leaderworkerset(node, chart_operator, node_s3, vllm_image,
+                                                                   original, reference):
+    """A real two-pod vLLM engine: a LeaderWorkerSet of size 2 on a PP 2 artifact. Each pod's loader
+    verifies only its stage; vLLM in the leader (node rank 0, stage 0, the API server) and in the worker
+    (node rank 1, stage 1, --headless) meet at the leader's DNS name (LWS_LEADER_ADDRESS, answered by the
+    cluster DNS) and pass activations between the pods; the leader answers with the reference's tokens."""
+    name = unique("vllm-lws")
+    upload_dir(node_s3, name, CASE.name, original)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    node.apply(vllm_pod.leaderworkerset(name, NAMESPACE, vllm_image, USER_MODEL, "--max-model-len", "256"))
+    mw = modelweights(name, f"s3://{name}/{CASE.name}", {"type": "sharded_state", "pipelineParallelSize": 2,
+                                                         "vllmVersion": "0.32"}, secret=f"{name}-s3")
+    mw["spec"]["serving"] = {"targets": [{"kind": "LeaderWorkerSet", "name": name, "container": "vllm",
+                                          "groupSize": 2}]}
+    applied = time.monotonic()
+    node.apply(mw)
+
+    def group_pods() -> dict[int, dict]:
+        return {int(p["metadata"]["labels"][LWS_WORKER_INDEX]): p
+                for p in node.get_json("pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]
+                if not p["metadata"].get("deletionTimestamp")}
+
+    def serving():
+        status = mw_status(node, NAMESPACE, name)
+        stalled = condition(status, "Stalled")
+        assert stalled.get("status") != "True", f"{name} Stalled: {stalled}"
+        pods = group_pods()
+        ready = all(c["status"] == "True" for p in pods.values() for c in p["status"].get("conditions", [])
+                    if c["type"] == "Ready")
+        return (status, pods) if condition(status, "WeightsLoaded").get("status") == "True" and ready \
+            and sorted(pods) == [0, 1] else None
+    try:
+        status, pods = wait_for(serving, f"{name}'s two pods loaded and the leader's vLLM Ready", SERVE_TIMEOUT_S)
+    except AssertionError:
+        print(node.kubectl("describe", "pods", "-n", NAMESPACE, "-l", f"app={name}", check=False).stdout[-6000:])
+        print(node.kubectl("logs", "-n", NAMESPACE, "-l", f"app={name}", "-c", "vllm", "--tail=80",
+                           "--prefix", check=False).stdout)
+        raise
+    assert condition(status, "WeightsLoaded")["message"].startswith("2/2 pods loaded, 1/1 groups"), status
+    reference_tokens = reference.results()[1]
+    completions = complete(pods[0]["status"]["podIP"], USER_MODEL)
+    served_after = time.monotonic() - applied
+    assert completions["model"] == USER_MODEL
+    assert_greedy_tokens_match(reference_tokens, tokens_of(completions), f"vLLM group {name} (PP 2 over 2 pods)")
+    print(f"kubectl apply -> a completion from the two-pod PP 2 vLLM group: {served_after:.0f} s")
+
+    for index, pod in pods.items():
+        (loader,) = pod["status"]["initContainerStatuses"]
+        result = json.loads(loader["state"]["terminated"]["message"])
+        assert (result["groupIndex"], result["ranks"]) == (index, [index]), result
+        log = node.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, "-c", "vllm").stdout
+        # This pod's vLLM worker is pipeline stage `index` of a world of two, over the network.
+        assert f"world_size=2 rank={index} " in log, log[-3000:]
+        assert f"tcp://{name}-0.{name}.{NAMESPACE}:" in log, log[-3000:]
+        assert WEIGHTS_LOADED in log, log[-3000:]
+        if index == 0:
+            engine = next(line for line in log.splitlines() if "Initializing a V1 LLM engine" in line)
+            for want in ("load_format=sharded_state", "pipeline_parallel_size=2", f"served_model_name={USER_MODEL}"):
+                assert want in engine, f"{want} not in vLLM's engine config:\n{engine}"
