@@ -247,7 +247,8 @@ class Cluster:
 
     def up(self, timeout: float = 120) -> None:
         if self.running():
-            if node_enabled() and localcluster_dns.PROCESS not in json.loads(self.pids_file.read_text()):
+            running = json.loads(self.pids_file.read_text())
+            if "kubelet" in running and localcluster_dns.PROCESS not in running:
                 raise SystemExit("the running local cluster was started without cluster DNS (an older harness): "
                                  "its kubelet gives pods no nameserver. Run `make cluster-down` and start it again.")
             self._ensure_lws(timeout)

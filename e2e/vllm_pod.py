@@ -18,6 +18,8 @@ import json
 import urllib.request
 
 PORT = 8000  # vLLM's default, which Ferry's /health probe parses
+# On every workload made here (tests delete them by it: each vLLM pod holds GBs and its cores).
+WORKLOAD_LABELS = {"app.kubernetes.io/name": "vllm"}
 
 
 def pod_template(name: str, image: str, args: list[str], env: list[dict]) -> dict:
@@ -39,7 +41,8 @@ def deployment(name: str, namespace: str, image: str, model: str, *flags: str) -
     labels = {"app": name}
     template = pod_template(name, image, [model, *flags, "--enforce-eager"],
                             [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0|1"}])
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": namespace, "labels": dict(WORKLOAD_LABELS)},
             "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "progressDeadlineSeconds": 1200,
                      "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, "template": template}}
 
@@ -59,7 +62,7 @@ def leaderworkerset(name: str, namespace: str, image: str, model: str, *flags: s
             {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core},
             {"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}])
     return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-            "metadata": {"name": name, "namespace": namespace},
+            "metadata": {"name": name, "namespace": namespace, "labels": dict(WORKLOAD_LABELS)},
             "spec": {"replicas": 1, "leaderWorkerTemplate": {"size": 2, "leaderTemplate": template("0"),
                                                              "workerTemplate": template("1")}}}
 

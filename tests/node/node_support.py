@@ -97,7 +97,7 @@ def uninstall_chart(kube: Kube, release: str, namespace: str, watch: str) -> Non
     # The operator must still run to let its ModelWeights go (kopf's finalizer).
     kube.kubectl("delete", "mw", "--all", "-n", watch, "--timeout=90s", check=False, timeout=120)
     # Pods that mount node cache entries need the chart's agent to unmount them: they go first.
-    kube.kubectl("delete", "deployments,pods", "--all", "-n", watch, "--wait=true", "--timeout=120s", check=False,
+    kube.kubectl("delete", "deployments,statefulsets,leaderworkersets,pods", "--all", "-n", watch, "--wait=true", "--timeout=120s", check=False,
                  timeout=150)
     helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s", check=False)
     kube.kubectl("delete", "namespace", watch, "--wait=false", check=False)

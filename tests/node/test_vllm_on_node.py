@@ -55,6 +55,22 @@ def vllm_image(node, images) -> str:
     return built["vllm"]["ref"]
 
 
+@pytest.fixture(autouse=True)
+def delete_vllm_workloads(node):
+    """Each test's vLLM workloads, and their ModelWeights, are deleted when it ends: every vLLM pod
+    holds GBs of memory and its cores, which the next tests need."""
+    yield
+    selector = ",".join(f"{k}={v}" for k, v in vllm_pod.WORKLOAD_LABELS.items())
+    kinds = "deployments,leaderworkersets"
+    made = node.get_json(kinds, "-n", NAMESPACE, "-l", selector)["items"]
+    # Foreground: returns once the pods are gone, not just the workload objects.
+    node.kubectl("delete", kinds, "-n", NAMESPACE, "-l", selector, "--cascade=foreground", "--timeout=120s",
+                 check=False, timeout=150)
+    for name in {w["metadata"]["name"] for w in made}:
+        node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--ignore-not-found", "--timeout=90s", check=False,
+                     timeout=120)
+
+
 @pytest.fixture(scope="module")
 def original(tmp_path_factory):
     directory = tmp_path_factory.mktemp("vllm-ckpt") / CASE.name
@@ -275,8 +291,8 @@ def test_vllm_runs_one_pipeline_stage_per_pod_of_a_leaderworkerset(node, chart_o
         stalled = condition(status, "Stalled")
         assert stalled.get("status") != "True", f"{name} Stalled: {stalled}"
         pods = group_pods()
-        ready = all(c["status"] == "True" for p in pods.values() for c in p["status"].get("conditions", [])
-                    if c["type"] == "Ready")
+        ready = all({c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"
+                    for p in pods.values())
         return (status, pods) if condition(status, "WeightsLoaded").get("status") == "True" and ready \
             and sorted(pods) == [0, 1] else None
     try:
