@@ -48,8 +48,13 @@ def running_operator(kube: Kube, namespace: str, log_path: Path, **env: str):
         yield stack.enter_context(_operator_process(kube, namespace, log_path, env))
 
 
+# The operator logs the current test wrote: a failing test's report shows their tails (conftest.py).
+OPERATOR_LOGS: list[Path] = []
+
+
 @contextlib.contextmanager
 def _operator_process(kube: Kube, namespace: str, log_path: Path, env: dict[str, str]):
+    OPERATOR_LOGS.append(log_path)
     full_env = {**os.environ, "FERRY_RECONCILE_INTERVAL": "1",
                 "FERRY_ADMISSION_POLICIES": admission_policies(kube), **env}
     with open(log_path, "wb") as log:

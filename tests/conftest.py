@@ -18,9 +18,36 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import localcluster  # noqa: E402
 import localnode  # noqa: E402
+import cluster_support  # noqa: E402
 from cluster_support import Kube  # noqa: E402
 
 CRD_FILE = REPO / "crds" / "ferry.dev_modelweights.yaml"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing cluster test's report carries what CI cannot be asked for afterwards: the tail of each
+    operator log the test wrote, and its namespace's objects and events."""
+    if call.when == "setup":
+        cluster_support.OPERATOR_LOGS.clear()
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or call.when == "teardown":
+        return
+    for log in cluster_support.OPERATOR_LOGS:
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-200:]
+            report.sections.append((f"operator log {log.name} (last 200 lines)", "\n".join(tail)))
+    kube, ns = item.funcargs.get("kube") or item.funcargs.get("crd"), item.funcargs.get("namespace")
+    if isinstance(kube, Kube) and isinstance(ns, str):
+        for what in (["get", "mw,jobs,pods,pvc,deployments", "-o", "wide"], ["get", "mw", "-o", "yaml"],
+                     ["get", "events", "--sort-by=.lastTimestamp"]):
+            try:
+                got = kube.kubectl(*what, "-n", ns, check=False, timeout=20)
+                text = (got.stdout or "") + (got.stderr or "")
+            except subprocess.TimeoutExpired as exc:
+                text = str(exc)
+            report.sections.append((f"kubectl {' '.join(what)} -n {ns}", text))
 
 
 @pytest.fixture(scope="session")

@@ -130,15 +130,34 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert after["artifact"] == status["artifact"]
 
 
-def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namespace, k8s_operator):
+@pytest.fixture
+def storage_class(crd, namespace):
+    """A StorageClass with no provisioner: its claims wait (Pending, a waiting state however long it
+    lasts) until a PersistentVolume of the class appears."""
+    name = f"manual-{namespace}"
+    crd.apply({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": name},
+               "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"})
+    yield name
+    crd.kubectl("delete", "pv", f"pv-{namespace}", "--wait=false", check=False)
+    crd.kubectl("delete", "storageclass", name, "--wait=false", check=False)
+
+
+def reconciling(kube, ns, reason, name="llama"):
+    """The Reconciling condition if it is True with `reason`."""
+    st = kube.get_json("mw", name, "-n", ns).get("status", {})
+    return next((c for c in st.get("conditions", []) if c["type"] == "Reconciling" and c["status"] == "True"
+                 and c["reason"] == reason), None)
+
+
+def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namespace, storage_class, k8s_operator):
     """Anyone who may create pods in the namespace can copy a Job's labels; only the pod the Job
     controller made (its controller reference is the Job's uid) reports the step's result."""
     body = {"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
             "metadata": {"name": "llama", "namespace": namespace},
             "spec": {"source": {"uri": "hf://org/tiny-llama"},
-                     "storage": {"pvc": {"size": "1Gi", "storageClassName": f"manual-{namespace}"}},
+                     "storage": {"pvc": {"size": "1Gi", "storageClassName": storage_class}},
                      "format": {"type": "safetensors"}}}
-    # The claim has no volume yet, so the Job's own pod waits: the pod is planted meanwhile, with
+    # The claim has no volume yet (its class exists, so that is a wait, not a stall), so the Job's own pod waits: the pod is planted meanwhile, with
     # the Job's name (which carries the object's uid: the attacker reads it) and a forged result.
     crd.apply(body)
     mw = parse(crd.get_json("mw", "llama", "-n", namespace))
@@ -152,9 +171,11 @@ def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namesp
                         "containers": [{"name": "worker", "image": IMAGE}]}})
     forged = {"manifestDigest": "sha256:" + "66" * 32, "totalBytes": 1}
     write_result(crd, namespace, "planted", json.dumps(forged), phase="Succeeded")
+    # The planted result is in place while the Job still waits for its claim.
+    wait_for(lambda: reconciling(crd, namespace, "PersistentVolumeClaimPending"), "Reconciling/ClaimPending")
     crd.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{namespace}"},
                "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
-                        "storageClassName": f"manual-{namespace}", "hostPath": {"path": f"/tmp/{namespace}"}}})
+                        "storageClassName": storage_class, "hostPath": {"path": f"/tmp/{namespace}"}}})
 
     # kwok completes the Job's own pod, which reports nothing: the planted result is not taken.
     missing = wait_for(lambda: stalled(crd, namespace, "ResultMissing"), "Stalled/ResultMissing", timeout=90)
