@@ -40,10 +40,10 @@ def jobs(kube, ns):
     return {j["metadata"]["labels"]["ferry.dev/step"]: j for j in kube.get_json("jobs", "-n", ns)["items"]}
 
 
-def stalled(kube, ns, reason, name="llama"):
-    """The Stalled condition if it is True with `reason`."""
+def true_condition(kube, ns, type_, reason, name="llama"):
+    """The ModelWeights' condition `type_` if it is True with `reason`."""
     st = kube.get_json("mw", name, "-n", ns).get("status", {})
-    return next((c for c in st.get("conditions", []) if c["type"] == "Stalled" and c["status"] == "True"
+    return next((c for c in st.get("conditions", []) if c["type"] == type_ and c["status"] == "True"
                  and c["reason"] == reason), None)
 
 
@@ -100,7 +100,7 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
 
     # The shard pod completes but reports no result: never Ready without a manifest.
-    wait_for(lambda: stalled(crd, namespace, "ResultMissing"), "Stalled/ResultMissing", timeout=90)
+    wait_for(lambda: true_condition(crd, namespace, "Stalled", "ResultMissing"), "Stalled/ResultMissing", timeout=90)
 
     # Now the result the worker writes to its termination log.
     (p,) = crd.get_json("pods", "-n", namespace, "-l", f"job-name={shard['metadata']['name']}")["items"]
@@ -142,13 +142,6 @@ def storage_class(crd, namespace):
     crd.kubectl("delete", "storageclass", name, "--wait=false", check=False)
 
 
-def reconciling(kube, ns, reason, name="llama"):
-    """The Reconciling condition if it is True with `reason`."""
-    st = kube.get_json("mw", name, "-n", ns).get("status", {})
-    return next((c for c in st.get("conditions", []) if c["type"] == "Reconciling" and c["status"] == "True"
-                 and c["reason"] == reason), None)
-
-
 def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namespace, storage_class, k8s_operator):
     """Anyone who may create pods in the namespace can copy a Job's labels; only the pod the Job
     controller made (its controller reference is the Job's uid) reports the step's result."""
@@ -157,8 +150,9 @@ def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namesp
             "spec": {"source": {"uri": "hf://org/tiny-llama"},
                      "storage": {"pvc": {"size": "1Gi", "storageClassName": storage_class}},
                      "format": {"type": "safetensors"}}}
-    # The claim has no volume yet (its class exists, so that is a wait, not a stall), so the Job's own pod waits: the pod is planted meanwhile, with
-    # the Job's name (which carries the object's uid: the attacker reads it) and a forged result.
+    # The claim has no volume yet (its class exists: a wait, not a stall), so the Job's own pod waits: the
+    # pod is planted meanwhile, with the Job's name (which carries the object's uid: the attacker reads it)
+    # and a forged result.
     crd.apply(body)
     mw = parse(crd.get_json("mw", "llama", "-n", namespace))
     (fetch,) = prepare_steps(mw.spec)
@@ -172,13 +166,15 @@ def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namesp
     forged = {"manifestDigest": "sha256:" + "66" * 32, "totalBytes": 1}
     write_result(crd, namespace, "planted", json.dumps(forged), phase="Succeeded")
     # The planted result is in place while the Job still waits for its claim.
-    wait_for(lambda: reconciling(crd, namespace, "PersistentVolumeClaimPending"), "Reconciling/ClaimPending")
+    wait_for(lambda: true_condition(crd, namespace, "Reconciling", "PersistentVolumeClaimPending"),
+             "Reconciling/PersistentVolumeClaimPending")
     crd.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{namespace}"},
                "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
                         "storageClassName": storage_class, "hostPath": {"path": f"/tmp/{namespace}"}}})
 
     # kwok completes the Job's own pod, which reports nothing: the planted result is not taken.
-    missing = wait_for(lambda: stalled(crd, namespace, "ResultMissing"), "Stalled/ResultMissing", timeout=90)
+    missing = wait_for(lambda: true_condition(crd, namespace, "Stalled", "ResultMissing"), "Stalled/ResultMissing",
+                       timeout=90)
     assert f"Job {namespace}/{job_name} completed, but none of its pods reported a result" in missing["message"]
     assert not (crd.get_json("mw", "llama", "-n", namespace)["status"].get("artifact") or {}).get("manifestDigest")
 
