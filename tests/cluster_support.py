@@ -3,6 +3,7 @@ conftest alike; a module of its own because several conftest.py files exist)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -26,11 +27,106 @@ class Kube:
         return proc
 
     def get_json(self, *args: str) -> dict:
-        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+        """`kubectl get ARGS -o json`: for the resources tests poll (_KINDS), one HTTP GET on a kept-alive
+        connection as this kubeconfig's user, with kubectl's output shape; anything else through kubectl."""
+        path = _read_path(args)
+        if path is None or self._session is None:
+            return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+        url, params, listed = path
+        got = self._session.get(self._server + url, params=params, timeout=60)
+        if got.status_code != 200:
+            raise AssertionError(f"kubectl get {' '.join(args)} failed (HTTP {got.status_code}):\n{got.text}")
+        body = got.json()
+        if listed is None:
+            return body
+        api_version, kind = listed
+        items = [{"apiVersion": api_version, "kind": kind, **item} for item in body.get("items", [])]
+        return {"apiVersion": "v1", "kind": "List", "items": items, "metadata": {"resourceVersion": ""}}
 
     def apply(self, obj: dict | str, *extra: str) -> subprocess.CompletedProcess:
         text = obj if isinstance(obj, str) else json.dumps(obj)
         return self.kubectl("apply", "-f", "-", *extra, input=text)
+
+    @functools.cached_property
+    def _server(self) -> str:
+        return self._config["clusters"][0]["cluster"]["server"]
+
+    @functools.cached_property
+    def _config(self) -> dict:
+        import yaml
+
+        return yaml.safe_load(Path(self.kubeconfig).read_text())
+
+    @functools.cached_property
+    def _session(self):
+        """A session as the kubeconfig's one user (a token or a client certificate, a CA file); None for
+        any other kind of kubeconfig."""
+        import requests
+
+        config = self._config
+        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+        if len(config["users"]) != 1 or "certificate-authority" not in cluster:
+            return None
+        session = requests.Session()
+        session.trust_env = False  # no proxy, CA bundle or netrc from the environment: this cluster only
+        session.verify = cluster["certificate-authority"]
+        if "token" in user:
+            session.headers["Authorization"] = f"Bearer {user['token']}"
+        elif "client-certificate" in user and "client-key" in user:
+            session.cert = (user["client-certificate"], user["client-key"])
+        else:
+            return None
+        return session
+
+
+# kubectl's names for the resources tests poll: API path, plural, namespaced, apiVersion and kind.
+_KINDS = {
+    "modelweights": ("/apis/ferry.dev/v1alpha1", "modelweights", True, "ferry.dev/v1alpha1", "ModelWeights"),
+    "pods": ("/api/v1", "pods", True, "v1", "Pod"),
+    "events": ("/api/v1", "events", True, "v1", "Event"),
+    "persistentvolumeclaims": ("/api/v1", "persistentvolumeclaims", True, "v1", "PersistentVolumeClaim"),
+    "persistentvolumes": ("/api/v1", "persistentvolumes", False, "v1", "PersistentVolume"),
+    "nodes": ("/api/v1", "nodes", False, "v1", "Node"),
+    "configmaps": ("/api/v1", "configmaps", True, "v1", "ConfigMap"),
+    "deployments": ("/apis/apps/v1", "deployments", True, "apps/v1", "Deployment"),
+    "replicasets": ("/apis/apps/v1", "replicasets", True, "apps/v1", "ReplicaSet"),
+    "statefulsets": ("/apis/apps/v1", "statefulsets", True, "apps/v1", "StatefulSet"),
+    "jobs": ("/apis/batch/v1", "jobs", True, "batch/v1", "Job"),
+}
+_ALIASES = {"mw": "modelweights", "pod": "pods", "po": "pods", "event": "events", "pvc": "persistentvolumeclaims",
+            "pv": "persistentvolumes", "node": "nodes", "no": "nodes", "configmap": "configmaps", "cm": "configmaps",
+            "deployment": "deployments", "deploy": "deployments", "rs": "replicasets", "replicaset": "replicasets",
+            "statefulset": "statefulsets", "sts": "statefulsets", "job": "jobs"}
+
+
+def _read_path(args: tuple[str, ...]) -> tuple[str, dict[str, str], tuple[str, str] | None] | None:
+    """The API path and query `kubectl get ARGS` reads, and for a list its items' (apiVersion, kind);
+    None where the args are not a plain read of one of _KINDS (kubectl then answers)."""
+    names, namespace, params = [], "default", {}
+    flags = {"-n": "namespace", "--namespace": "namespace", "-l": "labelSelector", "--selector": "labelSelector",
+             "--field-selector": "fieldSelector"}
+    rest = iter(args)
+    for arg in rest:
+        if arg in flags:
+            value = next(rest, None)
+            if value is None:
+                return None
+            if flags[arg] == "namespace":
+                namespace = value
+            else:
+                params[flags[arg]] = value
+        elif arg.startswith("-") or "/" in arg or "," in arg:
+            return None
+        else:
+            names.append(arg)
+    kind = _KINDS.get(_ALIASES.get(names[0], names[0])) if names else None
+    if kind is None or len(names) > 2 or (len(names) == 2 and params):
+        return None
+    prefix, plural, namespaced, api_version, kind_name = kind
+    url = f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
+    if len(names) == 2:
+        return f"{url}/{names[1]}", params, None
+    return url, params, (api_version, kind_name)
 
 
 @contextlib.contextmanager

@@ -100,3 +100,23 @@ def vllm_python() -> str:
     if check.returncode != 0:
         pytest.fail(f"the vLLM CPU venv is missing: run e2e/vllm/install.sh ({check.stderr.strip()})")
     return check.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
+    """Checkpoints transformers wrote (tests/hf_checkpoints.py): each case once per session, shared."""
+    from hf_checkpoints import HfCheckpoints
+    from vllm_tokens import CPU_ENGINE_ENV
+
+    return HfCheckpoints(vllm_python, tmp_path_factory.mktemp("hf-checkpoints"), {**os.environ, **CPU_ENGINE_ENV})
+
+
+@pytest.fixture(scope="session")
+def vllm_references(tmp_path_factory: pytest.TempPathFactory):
+    """vLLM's greedy tokens on original checkpoints (vllm_tokens.ReferenceStore): each (checkpoint, TP)
+    computed once per session, shared by every suite that compares against it."""
+    from vllm_tokens import ReferenceStore
+
+    store = ReferenceStore(tmp_path_factory.mktemp("vllm-references"))
+    yield store
+    store.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import localcluster
 from cluster_support import running_operator, wait_for
 from ferry_operator.api.validation import parse
 from ferry_operator.steps import spec_digest
@@ -78,9 +79,10 @@ def test_kubernetes_executor_removes_superseded_jobs_and_data(crd, namespace, tm
                                          and j["status"].get("succeeded")
                                          and j["metadata"]["annotations"]["ferry.dev/step-id"].endswith(
                                              _digest(mw))), None),
-                           # The scheduler may hold a pod rejected for its then-unbound claim in its
-                           # unschedulable queue for up to 5 minutes before trying it again.
-                           f"fetch Job of generation {generation} complete", timeout=330)
+                           # A pod rejected for its then-unbound claim is tried again within the local
+                           # scheduler's promise (5 minutes with a default scheduler).
+                           f"fetch Job of generation {generation} complete",
+                           timeout=60 + localcluster.UNSCHEDULABLE_RETRY_S)
             (pod,) = crd.get_json("pods", "-n", namespace, "-l", f"job-name={job['metadata']['name']}")["items"]
             statuses = pod["status"]["containerStatuses"]
             statuses[0]["state"]["terminated"]["message"] = json.dumps(

@@ -9,7 +9,6 @@ own pods report: a pod planted with the Job's labels is ignored."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -17,6 +16,8 @@ from cluster_support import running_operator, wait_for
 from ferry_operator.api.validation import parse
 from ferry_operator.executors import jobs as ferry_jobs
 from ferry_operator.steps import prepare_steps
+from test_operator_local import reconcile_on_request
+from test_operator_metrics import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -25,7 +26,10 @@ IMAGE = "ghcr.io/ferry-dev/ferry:test"
 
 @pytest.fixture
 def k8s_operator(crd, namespace, tmp_path):
+    """The operator with the kubernetes executor; yields the port of its Prometheus metrics."""
+    port = free_port()
     with running_operator(crd, namespace, tmp_path / "operator.log", FERRY_EXECUTOR="kubernetes",
+                          FERRY_METRICS_BIND=f"127.0.0.1:{port}",
                           FERRY_WORKER_IMAGE=IMAGE,
                           # kwok's node completes pods without running them: this
                           # test's stand-in for a node (tests/node/ runs them for real).
@@ -33,7 +37,7 @@ def k8s_operator(crd, namespace, tmp_path):
                           FERRY_WORKER_TOLERATIONS=json.dumps([{"key": "nvidia.com/gpu", "operator": "Exists",
                                                                 "effect": "NoSchedule"}]),
                           FERRY_WORKER_RESOURCES=json.dumps({"requests": {"cpu": "1", "memory": "1Gi"}})):
-        yield
+        yield port
 
 
 def jobs(kube, ns):
@@ -115,7 +119,8 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
 
     # Durable facts: the status records the artifact for this spec, so the Jobs
     # may expire (TTL set once recorded) and deleting them and their pods
-    # changes nothing: nothing re-runs, Ready stays.
+    # changes nothing: nothing re-runs, Ready stays, through the reconciles their deletion woke and one
+    # asked for after it and waited for.
     assert status["artifact"]["specDigest"] == digest_dir.rsplit("/", 1)[-1]
     ttls = wait_for(lambda: [j["spec"].get("ttlSecondsAfterFinished") for j in jobs(crd, namespace).values()]
                     if all(j["spec"].get("ttlSecondsAfterFinished") for j in jobs(crd, namespace).values()) else None,
@@ -123,9 +128,8 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert set(ttls) == {600}
     crd.kubectl("delete", "jobs", "--all", "-n", namespace, "--cascade=foreground", "--wait=true")
     crd.kubectl("delete", "pods", "--all", "-n", namespace, "--wait=true", "--grace-period=0", "--force")
-    time.sleep(8)  # eight reconcile intervals of this operator
+    after = reconcile_on_request(crd, namespace, "llama", k8s_operator)
     assert jobs(crd, namespace) == {}
-    after = crd.get_json("mw", "llama", "-n", namespace)["status"]
     assert {c["type"]: c["status"] for c in after["conditions"]}["Ready"] == "True"
     assert after["artifact"] == status["artifact"]
 

@@ -17,10 +17,18 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
-def operator(crd, namespace, tmp_path):
+def metrics_port() -> int:
+    """Where the operator fixture serves its Prometheus metrics (test_operator_metrics.scrape reads them)."""
+    from test_operator_metrics import free_port  # here, not above: that module imports this one
+
+    return free_port()
+
+
+@pytest.fixture
+def operator(crd, namespace, tmp_path, metrics_port):
     root = tmp_path / "artifacts"
     with running_operator(crd, namespace, tmp_path / "operator.log", FERRY_EXECUTOR="local",
-                          FERRY_LOCAL_ROOT=str(root)):
+                          FERRY_LOCAL_ROOT=str(root), FERRY_METRICS_BIND=f"127.0.0.1:{metrics_port}"):
         yield root
 
 
@@ -56,7 +64,24 @@ def wait_ready_generation(kube, namespace, name, generation, timeout=90):
     return wait_for(ready, f"{name} generation {generation} Ready", timeout)
 
 
-def test_safetensors_copy_becomes_ready_with_the_manifest_digest(crd, namespace, operator, tmp_path):
+def reconcile_on_request(kube, namespace, name, port) -> dict:
+    """Annotate ferry.dev/requested-at and wait until a reconcile consumed it: the operator's count of ok
+    reconciles grew and the status records the annotation (lastHandledRequestedAt, which only a reconcile
+    that read it writes, at its end). That status."""
+    from test_operator_metrics import scrape
+
+    ok = ("ferry_reconcile_total", (("result", "ok"),))
+    before = scrape(port).get(ok, 0)
+    stamp = f"{time.time():.6f}"
+    kube.kubectl("annotate", f"mw/{name}", "-n", namespace, f"ferry.dev/requested-at={stamp}", "--overwrite")
+
+    def consumed():
+        status = kube.get_json("mw", name, "-n", namespace).get("status", {})
+        return status if status.get("lastHandledRequestedAt") == stamp and scrape(port).get(ok, 0) > before else None
+    return wait_for(consumed, f"a reconcile of {name} that read requested-at {stamp}", timeout=30)
+
+
+def test_safetensors_copy_becomes_ready_with_the_manifest_digest(crd, namespace, operator, metrics_port, tmp_path):
     src = tiny_checkpoint(tmp_path / "src")
     crd.apply(modelweights("tiny", namespace, f"file://{src}"))
     wait_condition(crd, namespace, "tiny", "Ready")
@@ -80,12 +105,14 @@ def test_safetensors_copy_becomes_ready_with_the_manifest_digest(crd, namespace,
     assert story() == sorted(["StepStarted", "StepSucceeded", "ArtifactReady", "Ready"])
     described = crd.kubectl("describe", "mw", "tiny", "-n", namespace).stdout
     assert "StepStarted" in described and "ArtifactReady" in described
-    # Durable facts: with the worker's records gone, nothing re-runs and Ready stays.
+    # Durable facts: with the worker's records gone, a reconcile (asked for, and waited for) re-runs
+    # nothing, and the status stays as it was but for the request it records.
     steps_dir = operator / namespace / "tiny" / ".steps"
+    before = crd.get_json("mw", "tiny", "-n", namespace)["status"]
     shutil.rmtree(steps_dir)
-    time.sleep(5)  # five reconcile intervals of this operator
+    after = reconcile_on_request(crd, namespace, "tiny", metrics_port)
     assert not steps_dir.exists()
-    after = crd.get_json("mw", "tiny", "-n", namespace)["status"]
+    assert {k: v for k, v in after.items() if k != "lastHandledRequestedAt"} == before
     assert after["phase"] == "Ready" and after["artifact"] == status["artifact"]
 
 
@@ -186,14 +213,20 @@ def test_missing_container_stalls_naming_it(crd, namespace, operator, tmp_path):
 
 
 @pytest.mark.parametrize("policy,kept", [("Retain", True), ("Delete", False)])
-def test_deletion_policy(crd, namespace, operator, tmp_path, policy, kept):
+def test_deletion_policy(crd, namespace, operator, metrics_port, tmp_path, policy, kept):
+    from test_operator_metrics import scrape
+
     src = tiny_checkpoint(tmp_path / "src")
     crd.apply(modelweights("gone", namespace, f"file://{src}", deletionPolicy=policy))
     wait_condition(crd, namespace, "gone", "Ready")
     artifact = Path(crd.get_json("mw", "gone", "-n", namespace)["status"]["artifact"]["uri"].removeprefix("file://"))
     crd.kubectl("delete", "mw", "gone", "-n", namespace, "--timeout=60s")
+    # kubectl returns once the object is gone: after the operator's delete handler, where any removal
+    # happens (synchronously), returned. It ran: its first act drops the object from the phase gauge.
+    assert scrape(metrics_port)[("ferry_modelweights", (("phase", "Ready"),))] == 0
+    removing = "deletionPolicy Delete: removing prepared data" in (tmp_path / "operator.log").read_text()
+    assert removing is not kept
     if kept:
-        time.sleep(3)  # give a wrongful cleanup the chance to happen
         assert (artifact / "ferry-manifest.json").exists()
     else:
         wait_for(lambda: not artifact.exists(), "the artifact to be removed", timeout=30)

@@ -1,7 +1,8 @@
-"""Restart safety: SIGKILL the operator at random points during prepare and
-restart it; every run ends Ready with exactly one worker per step (local
-executor). The kubernetes executor's twin, with the Jobs running for real, is
-tests/node/test_restart_on_node.py."""
+"""Restart safety: SIGKILL the operator while a prepare step's worker runs
+(fetch or shard, chosen at random; the test checks each kill landed there, on
+an object not yet Ready) and restart it; every run ends Ready with exactly one
+worker per step (local executor). The kubernetes executor's twin, with the
+Jobs running for real, is tests/node/test_restart_on_node.py."""
 from __future__ import annotations
 
 import os
@@ -20,6 +21,9 @@ from test_operator_local import wait_condition
 
 pytestmark = pytest.mark.cluster
 OPERATOR = Path(sys.executable).with_name("ferry-operator")
+KILLS = 10
+KILL_WAIT_S = 60  # until the chosen step's worker runs (the shard's after the fetch), on two busy cores
+READY_S = 300  # until every object is Ready, after the last restart
 
 
 @pytest.fixture
@@ -44,6 +48,26 @@ def sharded(name, namespace, uri):
                      "format": {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}}}
 
 
+def running_step(steps: Path) -> str | None:
+    """The step whose worker runs now: launched (its `.launches` record) and not yet exited (no `rc`)."""
+    for launches in steps.glob("*.launches"):
+        step_id = launches.name.removesuffix(".launches")
+        if not (steps / step_id / "rc").exists():
+            return step_id.split("-")[0]
+    return None
+
+
+def kill_while_running(operator: subprocess.Popen, steps: Path, step: str) -> None:
+    """SIGKILL `operator` the moment `step`'s worker is seen running (polled every 20 ms)."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    while running_step(steps) != step:
+        assert time.monotonic() < deadline, f"{step} never seen running: {sorted(p.name for p in steps.glob('*'))}"
+        time.sleep(0.02)
+    operator.send_signal(signal.SIGKILL)
+    operator.wait()
+
+
+@pytest.mark.timeout(KILLS * KILL_WAIT_S + READY_S + 120 + 180)  # the waits, the deletion, start-ups
 def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_path, identity):
     from checkpoints import LLAMA3, write_checkpoint
 
@@ -52,17 +76,22 @@ def test_sigkill_at_random_points_never_duplicates_a_worker(crd, namespace, tmp_
     root = tmp_path / "artifacts"
     env = {"FERRY_EXECUTOR": "local", "FERRY_LOCAL_ROOT": str(root)}
     rng = random.Random(7)
-    names = [f"kill-{i}" for i in range(10)]
+    names = [f"kill-{i}" for i in range(KILLS)]
+    landed = {}  # name -> (the step running at the kill, the object's phase then)
     for name in names:
         operator = start_operator(identity, namespace, tmp_path / "operator.log", **env)
         crd.apply(sharded(name, namespace, f"file://{source}"))
-        time.sleep(rng.uniform(0.5, 4.0))  # somewhere in start-up, fetch, shard or wiring
-        operator.send_signal(signal.SIGKILL)
-        operator.wait()
+        step = rng.choice(["fetch", "shard"])
+        kill_while_running(operator, root / namespace / name / ".steps", step)
+        # Nothing writes the status while no operator runs: this is the phase at the kill.
+        landed[name] = (step, crd.get_json("mw", name, "-n", namespace).get("status", {}).get("phase"))
+        assert landed[name][1] != "Ready", landed
+    assert {step for step, _ in landed.values()} == {"fetch", "shard"}, landed
     operator = start_operator(identity, namespace, tmp_path / "operator.log", **env)
     try:
+        ready_by = time.monotonic() + READY_S
         for name in names:
-            wait_condition(crd, namespace, name, "Ready", timeout=180)
+            wait_condition(crd, namespace, name, "Ready", timeout=max(1, round(ready_by - time.monotonic())))
             steps = root / namespace / name / ".steps"
             launches = {f.name.removesuffix(".launches"): len(f.read_text().split())
                         for f in steps.glob("*.launches")}

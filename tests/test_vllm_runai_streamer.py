@@ -111,7 +111,7 @@ from s3server import S3Server
 from serving_cases import CONTAINER, apply, command_line, facts
 from spec_cases import manifest
 from vllm_server import CASE, FERRY, USER_ARGS, USER_MODEL, ServerRun, free_port, port_is_open, serve_argv, vllm_env
-from vllm_tokens import MAX_TOKENS, PROMPTS, assert_reference_varies, start_reference
+from vllm_tokens import MAX_TOKENS, PROMPTS, assert_reference_varies
 
 BUCKET = "ferry-artifacts"
 NAMESPACE = "default"
@@ -271,14 +271,14 @@ class Served(ServerRun):
 
 
 @pytest.fixture(scope="module")
-def reference_run(published: Published, vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
-    """Greedy tokens of the ORIGINAL checkpoint (vLLM's LLM, load_format auto) at TP 1 and TP 2, in one
-    process started before the servers and run beside them (as test_vllm_weights_loaded.py does)."""
+def reference_run(published: Published, vllm_python: str, vllm_references,
+                  tmp_path_factory: pytest.TempPathFactory):
+    """Greedy tokens of the ORIGINAL checkpoint (vLLM's LLM, load_format auto) at TP 1 and TP 2 from the
+    session's store (the TP 1 run is test_vllm_weights_loaded.py's, same bytes); what it lacks runs in
+    one process started before the servers and run beside them."""
     root = tmp_path_factory.mktemp("runai-reference")
-    run = start_reference(vllm_python, published.original, sorted(FORMATS), root,
-                          without_store_env(vllm_env(root / "tmp")))
-    yield run
-    run.stop()
+    return vllm_references.start(vllm_python, published.original, sorted(FORMATS),
+                                 without_store_env(vllm_env(root / "tmp")))
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,7 @@ beside the server instead of after it saved ~20 s (112 s serial, same load).
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import time
@@ -70,7 +71,7 @@ from serving_cases import CONTAINER, apply, command_line, facts
 from spec_cases import manifest
 from vllm_server import (CASE, FERRY, POLL_EVERY_S, POLL_TIMEOUT_S, USER_ARGS, USER_MODEL, ServerRun, free_port,
                          port_is_open, serve_argv, vllm_env)
-from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match, start_reference
+from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match
 
 TP = 2
 
@@ -167,14 +168,13 @@ def served(prepared: Prepared, vllm_python: str, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="module")
-def reference_run(prepared: Prepared, vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
-    """The TP 1 reference on the original checkpoint (vllm_generate.py: vLLM's LLM, load_format auto),
-    started before the server and run beside it: both are mostly single-threaded Python imports, so
-    on 2 cores they overlap (~30 s saved). Neither timing nor tokens depend on it running alone."""
+def reference_run(prepared: Prepared, vllm_python: str, vllm_references, tmp_path_factory: pytest.TempPathFactory):
+    """The TP 1 reference on the original checkpoint (vllm_generate.py: vLLM's LLM, load_format auto) from
+    the session's store: when no suite ran it yet, started before the server and run beside it (both are
+    mostly single-threaded Python imports, so on 2 cores they overlap). Neither timing nor tokens depend on
+    it running alone."""
     root = tmp_path_factory.mktemp("reference")
-    run = start_reference(vllm_python, prepared.original, [1], root, vllm_env(root / "tmp"))
-    yield run
-    run.stop()
+    return vllm_references.start(vllm_python, prepared.original, [1], vllm_env(root / "tmp"))
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +200,16 @@ def test_ferry_load_names_the_corrupt_rank_file(prepared: Prepared, tmp_path: Pa
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)
-def test_ferry_load_verified_the_artifact_before_vllm(served: Served):
-    out = (served.load.stdout + served.load.stderr).strip()
-    assert served.load.returncode == 0
-    assert out, "ferry load printed no summary"
+def test_ferry_load_verified_the_artifact_before_vllm(served: Served, prepared: Prepared):
+    """Before vLLM started, `ferry load` hashed every file the manifest lists, for every rank, and found
+    the manifest the operator records (--expected-digest)."""
+    out = served.load.stdout.strip()
     print(f"ferry load: {out}")
+    files = json.loads((prepared.artifact / "ferry-manifest.json").read_bytes())["files"]
+    assert served.load.returncode == 0
+    assert out.startswith(f"verified (sha256): {len(files)} files, "), out
+    assert f" for rank {','.join(map(str, range(TP)))} in " in out, out
+    assert out.endswith(f"; artifact {prepared.digest}"), out
 
 
 @pytest.mark.vllm

@@ -4,10 +4,13 @@ The prompts (token ids) and length every vLLM test generates; the reference
 run of tests/worker/shard/vllm_generate.py (vLLM's LLM, load_format `auto`,
 on the ORIGINAL checkpoint) started beside a server; and the comparison of
 greedy tokens with a TP 1 reference that allows numerical near-ties, used by
-test_shard_vllm.py and test_vllm_weights_loaded.py.
+test_shard_vllm.py and test_vllm_weights_loaded.py; and the session's store of
+those references (ReferenceStore, the `vllm_references` fixture): one run per
+(checkpoint bytes, TP size) per session, whichever suites compare against it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from dataclasses import dataclass
@@ -31,12 +34,13 @@ class ReferenceRun:
     proc: subprocess.Popen
     root: Path  # holds its stdout and stderr files
     tps: list[int]
+    WAIT_S = 900
 
     def results(self, name: str = "the reference") -> dict[int, dict]:
-        """Wait for it (at most 900 s), then each TP size's result (`tokens`, `top2` per prompt);
+        """Wait for it (at most WAIT_S), then each TP size's result (`tokens`, `top2` per prompt);
         fails the test unless it exited 0 with one result per TP size."""
         try:
-            self.proc.wait(900)
+            self.proc.wait(self.WAIT_S)
         except subprocess.TimeoutExpired:
             pass
         stdout, stderr = (self.root / "stdout").read_text(), (self.root / "stderr").read_text()
@@ -63,9 +67,65 @@ def start_reference(vllm_python: str, original: Path, tps: list[int], root: Path
     return ReferenceRun(proc, root, list(tps))
 
 
+def checkpoint_digest(directory: Path) -> str:
+    """sha256 over a checkpoint directory's files (name and bytes, in name order): what the reference ran on."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(directory).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+class ReferenceStore:
+    """The session's references (fixture `vllm_references`): vllm_generate.py on an original checkpoint at a
+    TP size, keyed by the checkpoint's bytes (checkpoint_digest) and the TP size. The first suite to ask
+    starts the run (beside its own server, as start_reference does); later suites get the same run's result.
+    The same comparisons against the same real vLLM, computed once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[tuple[str, int], ReferenceRun] = {}
+
+    def start(self, vllm_python: str, original: Path, tps: list[int], env: dict[str, str]) -> "SharedReference":
+        digest = checkpoint_digest(original)
+        missing = [tp for tp in tps if (digest, tp) not in self.runs]
+        if missing:
+            root = self.root / f"{digest[:12]}-tp{'-'.join(map(str, missing))}"
+            root.mkdir()
+            run = start_reference(vllm_python, original, missing, root, env)
+            self.runs.update({(digest, tp): run for tp in missing})
+        return SharedReference(self, digest, list(tps))
+
+    def stop(self) -> None:
+        for run in {id(r): r for r in self.runs.values()}.values():
+            run.stop()
+
+
+@dataclass
+class SharedReference:
+    """One suite's view of the store: the TP sizes it compares against."""
+    store: ReferenceStore
+    digest: str
+    tps: list[int]
+
+    def results(self, name: str = "the reference") -> dict[int, dict]:
+        return {tp: self.store.runs[(self.digest, tp)].results(name)[tp] for tp in self.tps}
+
+
 CPU_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
                   # collective_rpc ships the comparison functions to the workers.
                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def vllm_cache_root() -> str:
+    """vLLM's cache directory as vLLM finds it from this environment (VLLM_CACHE_ROOT, else
+    $XDG_CACHE_HOME/vllm or ~/.cache/vllm). A run that moves HOME passes it on, so vLLM still finds the model
+    facts it cached there (modelinfos/): without them each engine start inspects the model class in a
+    subprocess of its own (~5 s here)."""
+    import os
+
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return os.environ.get("VLLM_CACHE_ROOT") or str(Path(cache) / "vllm")
 
 
 def run_engines(vllm_python: str, script: Path, specs: list[dict], *, env: dict[str, str], cwd: Path,

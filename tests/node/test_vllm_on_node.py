@@ -9,7 +9,8 @@ loader init container, the readiness gate, the /health probe on the port it
 parsed), and the kubelet runs all of it. The proof is an OpenAI
 `/v1/completions` request to the pod's IP that returns, under the model name
 the Deployment asked for, the same greedy tokens as vLLM's default loader on
-the ORIGINAL checkpoint (TP 1, on the host: vllm_tokens.start_reference).
+the ORIGINAL checkpoint (TP 1, on the host: the session's vllm_tokens.ReferenceStore,
+shared with test_vllm_weights_loaded.py, test_vllm_runai_streamer.py and test_shard_vllm.py).
 
 The Deployment is what a vLLM CPU user writes (e2e/vllm_pod.py says what and why).
 """
@@ -30,13 +31,26 @@ from checkpoints import write_checkpoint
 from cluster_support import wait_for
 from node_support import NAMESPACE, condition, modelweights, mw_status, pods_of, s3_secret, unique, upload_dir
 from vllm_server import CASE, USER_MODEL, vllm_env
-from vllm_tokens import MAX_TOKENS, PROMPTS, assert_greedy_tokens_match, start_reference
+from vllm_tokens import MAX_TOKENS, PROMPTS, ReferenceRun, assert_greedy_tokens_match
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.vllm, pytest.mark.images]
 
 MOUNT = MOUNT_PATH
 PORT = vllm_pod.PORT
-SERVE_TIMEOUT_S = 900  # a Job, then vLLM's imports and engine start in a pod on two busy cores
+# Each wait for a Job's artifact, or for vLLM's imports and engine start in a pod, on two busy cores: five
+# times the measured 110 s of both together (docs/testing.md). No scheduler pause hides in it: a pod turned
+# away is tried again within localcluster.UNSCHEDULABLE_RETRY_S, not after the default 5 minutes.
+SERVE_TIMEOUT_S = 600
+COMPLETE_S = 300  # vllm_pod.complete's timeout
+FIXTURES_S = 900  # the vLLM image imported onto the node (module), the workloads' deletion after each test
+
+
+def timeout_s(serve_waits: int, completions: int, other_s: float = 0) -> float:
+    """A test's timeout mark: its serve waits, the reference's wait, its completions and other waits,
+    and its fixtures."""
+    return serve_waits * SERVE_TIMEOUT_S + ReferenceRun.WAIT_S + completions * COMPLETE_S + other_s + FIXTURES_S
+
+
 # vLLM 0.32 logs this (local TP rank 0) once the weights are in the model (sharded_state_loader.py).
 WEIGHTS_LOADED = "Loading weights took "
 # The Run:ai Model Streamer's progress bar in vLLM's log (local TP rank 0).
@@ -74,18 +88,16 @@ def delete_vllm_workloads(node):
 @pytest.fixture(scope="module")
 def original(tmp_path_factory):
     directory = tmp_path_factory.mktemp("vllm-ckpt") / CASE.name
-    write_checkpoint(directory, CASE)
+    write_checkpoint(directory, CASE, seed=1)  # the bytes the other vLLM suites' reference ran on
     return directory
 
 
 @pytest.fixture(scope="module")
-def reference(vllm_python, original, tmp_path_factory):
-    """Greedy tokens of vLLM's default loader on the original checkpoint (TP 1, on the host),
-    started at once so it runs beside the Job and the pod."""
+def reference(vllm_python, original, vllm_references, tmp_path_factory):
+    """Greedy tokens of vLLM's default loader on the original checkpoint (TP 1, on the host), from the
+    session's store (started at once, beside the Job and the pod, unless another suite already ran it)."""
     root = tmp_path_factory.mktemp("vllm-reference")
-    run = start_reference(vllm_python, original, [1], root, vllm_env(root / "tmp"))
-    yield run
-    run.stop()
+    return vllm_references.start(vllm_python, original, [1], vllm_env(root / "tmp"))
 
 
 def flag(args: list[str], name: str) -> str | None:
@@ -192,6 +204,7 @@ def start(node, node_s3, original, image: str, prefix: str, fmt: dict) -> tuple[
     return name, mw
 
 
+@pytest.mark.timeout(timeout_s(4, 2, other_s=180))
 def test_vllm_in_a_pod_serves_the_sharded_artifact_and_rolls_onto_a_new_tp(node, chart_operator, node_s3,
                                                                         vllm_image, original, reference):
     name, mw = start(node, node_s3, original, vllm_image, "vllm", {"type": "sharded_state", "tensorParallelSize": 2})
@@ -224,6 +237,7 @@ def test_vllm_in_a_pod_serves_the_sharded_artifact_and_rolls_onto_a_new_tp(node,
     assert len(after - replicasets) == 1, f"one rollout onto the TP 1 artifact: {replicasets} -> {after}"
 
 
+@pytest.mark.timeout(timeout_s(2, 1))
 def test_vllm_in_a_pod_serves_the_loaders_local_copy(node, chart_operator, node_s3, vllm_image, original, reference):
     """serving.localCopy: the loader verifies the claim's artifact while copying it into the pod's emptyDir,
     and vLLM loads the copy."""
@@ -238,6 +252,7 @@ def test_vllm_in_a_pod_serves_the_loaders_local_copy(node, chart_operator, node_
     check_sharded(node, name, pod, tp=2, model=LOCAL_PATH, reference_tokens=reference.results()[1])
 
 
+@pytest.mark.timeout(timeout_s(2, 1))
 def test_vllm_in_a_pod_streams_runai_streamer_from_s3(node, chart_operator, node_s3, vllm_image, original, reference):
     """runai_streamer published to storage.s3: vLLM in the pod streams the prefix from the S3 server on the
     node's bridge with the credentials the kubelet resolved from the Secret (secretKeyRef)."""
@@ -264,6 +279,7 @@ def test_vllm_in_a_pod_streams_runai_streamer_from_s3(node, chart_operator, node
         assert f"GET OBJECT Bucket: {name} Object: {prefix}/{weights}" in served_log, served_log[-3000:]
 
 
+@pytest.mark.timeout(timeout_s(1, 1))
 def test_vllm_runs_one_pipeline_stage_per_pod_of_a_leaderworkerset(node, chart_operator, node_s3, vllm_image,
                                                                    original, reference):
     """A real two-pod vLLM engine: a LeaderWorkerSet of size 2 on a PP 2 artifact. Each pod's loader

@@ -1,6 +1,6 @@
 """Run by the vLLM venv's python (it has transformers), not by pytest.
 
-    python hf_generate.py OUT_DIR CASE
+    python hf_generate.py OUT_DIR CASE [OUT_DIR CASE ...]
     CASE = a family name below (e.g. "mixtral"), or a JSON object
            {"model_type": "mixtral", "config": {...}, "dtype": "bfloat16", "seed": 0}
            where a "family" key starts from that family's config and "config" overrides it;
@@ -13,7 +13,8 @@ Builds a tiny random model with transformers' own modelling code
 checkpoint's tensor names and shapes are the ones transformers writes for a
 real release of the family (e.g. per-expert `experts.{e}.w1` names), not ones
 written from Ferry's layout tables. Prints `CHECKPOINT {json}` with the saved
-tensors (name -> [shape, dtype]).
+tensors (name -> [shape, dtype]), one line per pair, in order: several checkpoints
+cost one import of torch and transformers (tests/hf_checkpoints.py batches them).
 """
 from __future__ import annotations
 
@@ -222,10 +223,14 @@ def saved_tensors(out_dir: Path) -> dict:
 
 
 def main() -> None:
-    out_dir, case = Path(sys.argv[1]), resolve_case(sys.argv[2])
-    tensors = build(out_dir, case)
-    print(CHECKPOINT_PREFIX + json.dumps({"family": case.get("family"), "model_type": case["model_type"],
-                                          "tensors": tensors}), flush=True)
+    args = sys.argv[1:]
+    if not args or len(args) % 2:
+        raise SystemExit("usage: hf_generate.py OUT_DIR CASE [OUT_DIR CASE ...]")
+    for out_dir, raw in zip(args[::2], args[1::2]):
+        case = resolve_case(raw)
+        tensors = build(Path(out_dir), case)
+        print(CHECKPOINT_PREFIX + json.dumps({"family": case.get("family"), "model_type": case["model_type"],
+                                              "tensors": tensors}), flush=True)
 
 
 if __name__ == "__main__":

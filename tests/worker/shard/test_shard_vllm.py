@@ -3,7 +3,9 @@
 For each generated checkpoint, one subprocess of the vLLM venv starts the
 engines in turn:
 
-- the original checkpoint, TP 1, `auto` (the reference for greedy tokens);
+- the original checkpoint, TP 1, `auto` (the reference for greedy tokens; Llama's
+  from the session's store, vllm_tokens.ReferenceStore, which the vLLM serving
+  suites compare against too: the same bytes, run once per session);
 - Ferry's artifact with `sharded_state`, TP 2 (and TP 1 x PP 2 for one model),
   where, in every worker, a fresh model is loaded twice, by vLLM's default
   loader from the original checkpoint and by ShardedStateLoader from the
@@ -56,10 +58,11 @@ class Run:
     pp: int = 1
     sharded: bool = True
     generate: bool = True
+    shared: bool = False  # a reference other suites compare against too: from the session's store
 
 
 RUNS = (
-    Run("llama-tp1-auto", LLAMA_GQA, tp=1, sharded=False),
+    Run("llama-tp1-auto", LLAMA_GQA, tp=1, sharded=False, shared=True),
     Run("llama-tp2-sharded", LLAMA_GQA, tp=2),
     Run("llama-pp2-sharded", LLAMA_GQA, tp=1, pp=2, generate=False),
     Run("qwen2-tp1-auto", QWEN2_FP16, tp=1, sharded=False),
@@ -71,13 +74,18 @@ TOKEN_PAIRS = [("llama-tp1-auto", "llama-tp2-sharded"), ("qwen2-tp1-auto", "qwen
 
 
 @pytest.fixture(scope="module")
-def vllm_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def vllm_results(vllm_python: str, vllm_references, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("vllm")
-    specs, artifacts = [], {}
+    env = {**os.environ, **CPU_ENGINE_ENV}
+    specs, artifacts, shared, engines = [], {}, {}, []
     for run in RUNS:
         original = root / run.case.name
         if not original.exists():
             write_checkpoint(original, run.case, seed=1)
+        if run.shared:
+            shared[run.name] = vllm_references.start(vllm_python, original, [run.tp], env)
+            continue
+        engines.append(run)
         model = original
         if run.sharded:
             model = root / run.name
@@ -87,8 +95,9 @@ def vllm_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> 
                       "tp": run.tp, "pp": run.pp, "dtype": TORCH_DTYPES[run.case.dtype], "prompts": PROMPTS,
                       "max_tokens": MAX_TOKENS, "generate": run.generate,
                       "original": str(original) if run.sharded else None})
-    lines = run_engines(vllm_python, SCRIPT, specs, env={**os.environ, **CPU_ENGINE_ENV}, cwd=root, timeout=1500)
-    results = {run.name: result for run, result in zip(RUNS, lines)}
+    lines = run_engines(vllm_python, SCRIPT, specs, env=env, cwd=root, timeout=1500)
+    results = {run.name: result for run, result in zip(engines, lines)}
+    results.update({name: reference.results(name)[reference.tps[0]] for name, reference in shared.items()})
     for name, path in artifacts.items():
         results[name]["artifact"] = path
     return results

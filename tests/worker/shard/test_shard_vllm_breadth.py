@@ -3,7 +3,8 @@ families: Phi-3, Gemma 2, Gemma 3 (text), Mixtral and Qwen3-MoE, at TP 2 and,
 for the MoE ones, expert parallel 2.
 
 The checkpoints are written by transformers' own modelling code
-(hf_generate.py, in the vLLM venv), so their tensor names are the ones a real
+(hf_generate.py, in the vLLM venv; written once per session and shared with
+test_tensorize_vllm_breadth.py: the `hf_checkpoints` fixture), so their tensor names are the ones a real
 release has (per-expert `experts.{e}.w1`, Phi-3's fused `qkv_proj`), not ones
 derived from Ferry's tables. One vLLM process runs every engine in turn
 (vllm_generate.py):
@@ -27,7 +28,6 @@ compared, not asked to generate: EP tokens are unproven until a GPU run.
 from __future__ import annotations
 
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from vllm_tokens import (CPU_ENGINE_ENV, MAX_TOKENS, PROMPTS, assert_greedy_toke
                          assert_workers_built_the_same_state, run_engines)
 
 HERE = Path(__file__).parent
-GENERATE, HF_GENERATE = HERE / "vllm_generate.py", HERE / "hf_generate.py"
+GENERATE = HERE / "vllm_generate.py"
 FAMILIES = ("phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 MOE = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
@@ -63,22 +63,14 @@ RUNS = tuple(
 SHARDED = [r.name for r in RUNS if r.sharded]
 
 
-def _generate_checkpoint(vllm_python: str, family: str, directory: Path, env: dict) -> None:
-    proc = subprocess.run([vllm_python, str(HF_GENERATE), str(directory), family], capture_output=True, text=True,
-                          env=env, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"hf_generate.py {family} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-
-
 @pytest.fixture(scope="module")
-def breadth_results(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def breadth_results(vllm_python: str, hf_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("vllm-breadth")
     env = {**os.environ, **CPU_ENGINE_ENV}
+    originals = hf_checkpoints.ensure(list(FAMILIES))  # shared with test_tensorize_vllm_breadth.py
     specs, artifacts = [], {}
     for run in RUNS:
-        original = root / run.family
-        if not original.exists():
-            _generate_checkpoint(vllm_python, run.family, original, env)
+        original = originals[run.family]
         model = original
         if run.sharded:
             model = root / run.name

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from ferry_worker.shard.job import ShardJob
 from vllm_tokens import CPU_ENGINE_ENV, assert_workers_built_the_same_state, run_engines
 
 HERE = Path(__file__).parent
-STATE, HF_GENERATE = HERE / "vllm_fp8_state.py", HERE / "hf_generate.py"
+STATE = HERE / "vllm_fp8_state.py"
 BLOCK = [128, 128]
 _DENSE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
           "intermediate_size": 512}
@@ -93,17 +92,13 @@ def _case(checkpoint: Checkpoint) -> str:
 
 
 @pytest.fixture(scope="module")
-def fp8_states(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def fp8_states(vllm_python: str, hf_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("vllm-fp8")
     env = {**os.environ, **CPU_ENGINE_ENV}
+    originals = hf_checkpoints.ensure([_case(c) for c in CHECKPOINTS])  # one hf_generate process for all
     specs, artifacts = [], {}
     for run in RUNS:
-        original = root / run.checkpoint.name
-        if not original.exists():
-            proc = subprocess.run([vllm_python, str(HF_GENERATE), str(original), _case(run.checkpoint)],
-                                  capture_output=True, text=True, env=env, timeout=600)
-            if proc.returncode != 0:
-                pytest.fail(f"hf_generate.py {run.checkpoint.name} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        original = originals[_case(run.checkpoint)]
         artifact = root / run.name
         ShardJob.prepare(original, artifact, tp=2, moe=MoeTarget(expert_parallel=run.expert_parallel)).run()
         artifacts[run.name] = artifact

@@ -37,6 +37,7 @@ import pytest
 from ferry_worker.cli import main
 from checkpoints import LLAMA3, ModelCase, write_checkpoint
 from tensorize_support import QWEN2_TIED, stream_args
+from vllm_tokens import vllm_cache_root
 
 pytestmark = [pytest.mark.tensorize, pytest.mark.vllm]
 
@@ -125,6 +126,7 @@ def vllm_results(vllm_python, s3_server, tmp_path_factory) -> dict:
     ]
     overlay = _overlay(vllm_python, root)
     run_env = {**os.environ, **env, "HOME": str(root),  # no ~/.s3cfg: tensorizer would prefer it
+               "VLLM_CACHE_ROOT": vllm_cache_root(),
                "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc ships the function to the workers
     if overlay is not None:

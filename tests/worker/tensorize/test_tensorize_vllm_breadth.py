@@ -2,7 +2,8 @@
 artifacts of the breadth families from S3: Phi-3, Gemma 2, Gemma 3, Mixtral,
 Qwen3-MoE and DeepSeek-V2 at TP 2, and the MoE ones at expert
 parallel 2 too, from checkpoints transformers' own modelling code wrote
-(tests/worker/shard/hf_generate.py).
+(tests/worker/shard/hf_generate.py; the session's `hf_checkpoints`, shared with
+test_shard_vllm_breadth.py: each family written once).
 
 As in test_tensorize_vllm.py: in every worker, the model vLLM's tensorizer
 loader builds from Ferry's artifact equals, parameter by parameter and buffer
@@ -13,19 +14,16 @@ backend fails at the first forward after a tensorizer load; shared FIELD_NOTES).
 from __future__ import annotations
 
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from ferry_worker.cli import main
 
 from test_tensorize_vllm import SCRIPT, _extra_config, _overlay
-from vllm_tokens import CPU_ENGINE_ENV, run_engines
+from vllm_tokens import CPU_ENGINE_ENV, run_engines, vllm_cache_root
 
 pytestmark = [pytest.mark.tensorize, pytest.mark.vllm]
 
-HF_GENERATE = Path(__file__).parents[1] / "shard" / "hf_generate.py"
 # DeepSeek-V3 is refused for this layout: vLLM's tensorizer loader casts its float32
 # e_score_correction_bias to bf16 (measured here; test_tensorize_moe holds the refusal).
 FAMILIES = ("phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v2")
@@ -38,21 +36,18 @@ def _name(family: str, expert_parallel: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def breadth_results(vllm_python, s3_server, tmp_path_factory) -> dict:
+def breadth_results(vllm_python, s3_server, hf_checkpoints, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("vllm-tensorizer-breadth")
     bucket = "ferry-vllm-tensorizer-breadth"
     s3_server.client().create_bucket(Bucket=bucket)
+    sources = hf_checkpoints.ensure(list(FAMILIES))  # the shard breadth suite's, when it ran first
     env = s3_server.env()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     specs = []
     try:
         for family, expert_parallel in CASES:
-            source = root / family
-            if not source.exists():
-                proc = subprocess.run([vllm_python, str(HF_GENERATE), str(source), family], capture_output=True,
-                                      text=True, timeout=600)
-                assert proc.returncode == 0, proc.stderr[-4000:]
+            source = sources[family]
             name = _name(family, expert_parallel)
             ep = ["--expert-parallel"] if expert_parallel else []
             assert main(["tensorize", "--source", str(source), "--output", f"s3://{bucket}/{name}", "--layout",
@@ -64,7 +59,8 @@ def breadth_results(vllm_python, s3_server, tmp_path_factory) -> dict:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     overlay = _overlay(vllm_python, root)
-    run_env = {**os.environ, **env, **CPU_ENGINE_ENV, "HOME": str(root)}  # HOME: no ~/.s3cfg
+    run_env = {**os.environ, **env, **CPU_ENGINE_ENV, "HOME": str(root),  # HOME: no ~/.s3cfg
+               "VLLM_CACHE_ROOT": vllm_cache_root()}
     if overlay is not None:
         run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(overlay), run_env.get("PYTHONPATH")]))
     lines = run_engines(vllm_python, SCRIPT, specs, env=run_env, cwd=root, timeout=2400)
