@@ -98,23 +98,25 @@ _ALIASES = {"mw": "modelweights", "pod": "pods", "po": "pods", "event": "events"
             "deployment": "deployments", "deploy": "deployments", "rs": "replicasets", "replicaset": "replicasets",
             "statefulset": "statefulsets", "sts": "statefulsets", "job": "jobs"}
 
+# The flags of `kubectl get` the fast path reads: where they go in the request.
+_FLAGS = {"-n": "namespace", "--namespace": "namespace", "-l": "labelSelector", "--selector": "labelSelector",
+          "--field-selector": "fieldSelector"}
+
 
 def _read_path(args: tuple[str, ...]) -> tuple[str, dict[str, str], tuple[str, str] | None] | None:
     """The API path and query `kubectl get ARGS` reads, and for a list its items' (apiVersion, kind);
     None where the args are not a plain read of one of _KINDS (kubectl then answers)."""
     names, namespace, params = [], "default", {}
-    flags = {"-n": "namespace", "--namespace": "namespace", "-l": "labelSelector", "--selector": "labelSelector",
-             "--field-selector": "fieldSelector"}
     rest = iter(args)
     for arg in rest:
-        if arg in flags:
+        if arg in _FLAGS:
             value = next(rest, None)
             if value is None:
                 return None
-            if flags[arg] == "namespace":
+            if _FLAGS[arg] == "namespace":
                 namespace = value
             else:
-                params[flags[arg]] = value
+                params[_FLAGS[arg]] = value
         elif arg.startswith("-") or "/" in arg or "," in arg:
             return None
         else:

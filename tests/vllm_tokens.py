@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,14 @@ class ReferenceRun:
     proc: subprocess.Popen
     root: Path  # holds its stdout and stderr files
     tps: list[int]
+    parsed: dict[int, dict] = field(default_factory=dict)  # its results, once read (every suite asks)
     WAIT_S = 900
 
     def results(self, name: str = "the reference") -> dict[int, dict]:
         """Wait for it (at most WAIT_S), then each TP size's result (`tokens`, `top2` per prompt);
         fails the test unless it exited 0 with one result per TP size."""
+        if self.parsed:
+            return self.parsed
         try:
             self.proc.wait(self.WAIT_S)
         except subprocess.TimeoutExpired:
@@ -47,7 +51,8 @@ class ReferenceRun:
         lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
         if self.proc.returncode != 0 or len(lines) != len(self.tps):
             pytest.fail(f"{name} exited {self.proc.returncode}:\n{stdout[-4000:]}\n{stderr[-8000:]}")
-        return {tp: json.loads(line) for tp, line in zip(self.tps, lines)}
+        self.parsed = {tp: json.loads(line) for tp, line in zip(self.tps, lines)}
+        return self.parsed
 
     def stop(self) -> None:
         """Stop whatever of it still runs; fails if anything of its process group survives."""
@@ -122,8 +127,6 @@ def vllm_cache_root() -> str:
     $XDG_CACHE_HOME/vllm or ~/.cache/vllm). A run that moves HOME passes it on, so vLLM still finds the model
     facts it cached there (modelinfos/): without them each engine start inspects the model class in a
     subprocess of its own (~5 s here)."""
-    import os
-
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return os.environ.get("VLLM_CACHE_ROOT") or str(Path(cache) / "vllm")
 
