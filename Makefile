@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: the cluster lane and the local lane
+# (tests/conftest.py) overlap on two cores; TEST_WORKERS=0 runs one process.
+TEST_WORKERS ?= 2
 
 .PHONY: all venv test test-unit crds controlplane storage lws coredns node-packages s3server vllm images vllm-image cluster-up cluster-down demo demo-cluster bench protos clean
 
@@ -22,7 +25,7 @@ venv: $(VENV)/.installed
 # outside the repo by version; the test session starts a cluster if none is
 # running and stops the one it started.
 test: venv node-packages controlplane storage lws coredns s3server vllm images vllm-image
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Tests that need no cluster, no vLLM and no image build (under a minute).
 test-unit: venv s3server

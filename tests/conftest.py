@@ -24,6 +24,20 @@ from cluster_support import Kube  # noqa: E402
 CRD_FILE = REPO / "crds" / "ferry.dev_modelweights.yaml"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Two lanes for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`). The cluster lane holds every
+    test that needs the local cluster or the node's containerd (marked cluster, node or images, or asking
+    for `kube`): one worker, in collection order, one cluster for the session, as before. The local lane
+    holds the rest: the worker's vLLM breadth suites, unit tests, S3 and cache tests. The cluster lane spends
+    much of its time waiting on pods and reconciles, the local lane on the CPU, so the two overlap on two
+    cores. Without -n the marks change nothing."""
+    for item in items:
+        on_cluster = "kube" in item.fixturenames or any(
+            item.get_closest_marker(name) for name in ("cluster", "node", "images"))
+        item.add_marker(pytest.mark.xdist_group("cluster" if on_cluster else "local"))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failing cluster test's report carries what CI cannot be asked for afterwards: the tail of each
