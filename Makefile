@@ -4,9 +4,6 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test`: the cluster lane and the local lane
-# (tests/conftest.py) overlap on two cores; TEST_WORKERS=0 runs one process.
-TEST_WORKERS ?= 2
 
 .PHONY: all venv test test-unit crds controlplane storage lws coredns node-packages s3server vllm images vllm-image cluster-up cluster-down demo demo-cluster bench protos clean
 
@@ -23,9 +20,11 @@ venv: $(VENV)/.installed
 # Everything: unit, integration against the real control plane and S3 server,
 # and vLLM compatibility. Builds (or reuses) what the tests need, all cached
 # outside the repo by version; the test session starts a cluster if none is
-# running and stops the one it started.
+# running and stops the one it started. Two pytest processes side by side
+# (tests/lanes.py): the cluster lane and the local lane; FERRY_TEST_LANES=0
+# runs one.
 test: venv node-packages controlplane storage lws coredns s3server vllm images vllm-image
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) tests/lanes.py $(PYTEST_ARGS)
 
 # Tests that need no cluster, no vLLM and no image build (under a minute).
 test-unit: venv s3server

@@ -24,18 +24,30 @@ from cluster_support import Kube  # noqa: E402
 CRD_FILE = REPO / "crds" / "ferry.dev_modelweights.yaml"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into the node ids
+LANE_ENV = "FERRY_TEST_LANE"  # tests/lanes.py runs one pytest per lane, side by side
+
+
+def lane(item: pytest.Item) -> str:
+    """`cluster` for a test that needs the local cluster or the node's containerd (marked cluster, node or
+    images, or asking for `kube`): that lane runs in one process, one cluster for the session, as before.
+    `local` for the rest: the worker's vLLM breadth suites, unit, S3 and cache tests."""
+    on_cluster = "kube" in item.fixturenames or any(
+        item.get_closest_marker(name) for name in ("cluster", "node", "images"))
+    return "cluster" if on_cluster else "local"
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Two lanes for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`). The cluster lane holds every
-    test that needs the local cluster or the node's containerd (marked cluster, node or images, or asking
-    for `kube`): one worker, in collection order, one cluster for the session, as before. The local lane
-    holds the rest: the worker's vLLM breadth suites, unit tests, S3 and cache tests. The cluster lane spends
-    much of its time waiting on pods and reconciles, the local lane on the CPU, so the two overlap on two
-    cores. Without -n the marks change nothing."""
-    for item in items:
-        on_cluster = "kube" in item.fixturenames or any(
-            item.get_closest_marker(name) for name in ("cluster", "node", "images"))
-        item.add_marker(pytest.mark.xdist_group("cluster" if on_cluster else "local"))
+    """With FERRY_TEST_LANE set, only that lane's tests run (the others are deselected, after -m and -k)."""
+    wanted = os.environ.get(LANE_ENV)
+    if not wanted:
+        return
+    if wanted not in ("cluster", "local"):
+        raise pytest.UsageError(f"{LANE_ENV}={wanted!r}: the lanes are cluster and local")
+    dropped = [item for item in items if lane(item) != wanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if lane(item) == wanted]
 
 
 @pytest.hookimpl(hookwrapper=True)

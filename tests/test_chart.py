@@ -352,6 +352,22 @@ def test_admission_policies_ship_enforced_and_the_operator_is_told_their_names(h
 
 
 @pytest.mark.helm
+def test_with_the_node_cache_on_the_operator_also_requires_the_fill_policy(helm):
+    """Without the fill policy a tenant's own `mode: fill` pod writes into slots: with the node cache on,
+    the operator is told its name and acts only while it is enforced, as for the others."""
+    from ferry_operator.admission_policies import problems
+
+    docs = render(helm, "nodeCache.enabled=true")
+    (dep,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    names = env["FERRY_ADMISSION_POLICIES"].split(",")
+    assert names == ["ferry-references", "ferry-weights-reporter", "ferry-node-cache-fill"]
+    policies = {p["metadata"]["name"]: p for p in by_kind(docs, "ValidatingAdmissionPolicy")}
+    bindings = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert {name: problems(policies.get(name), bindings, name) for name in names} == {name: [] for name in names}
+
+
+@pytest.mark.helm
 def test_every_serving_deployment_a_spec_can_hold_is_authorised(helm):
     """The references policy checks deployments[0..N-1] and targets[0..N-1] one by one (a message may
     not call the authorizer): N must be the API's own limit on each list."""

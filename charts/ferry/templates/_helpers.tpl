@@ -30,3 +30,9 @@ app.kubernetes.io/component: operator
 {{- define "ferry.workerClusterRole" -}}{{ include "ferry.fullname" . }}-worker{{- end -}}
 {{- define "ferry.reporterClusterRole" -}}{{ include "ferry.fullname" . }}-weights-reporter{{- end -}}
 {{- define "ferry.referencesPolicy" -}}{{ include "ferry.fullname" . }}-references{{- end -}}
+{{- define "ferry.fillPolicy" -}}{{ include "ferry.fullname" . }}-node-cache-fill{{- end -}}
+{{- define "ferry.admissionPolicies" -}}
+{{- $names := list (include "ferry.referencesPolicy" .) (include "ferry.reporterClusterRole" .) -}}
+{{- if .Values.nodeCache.enabled }}{{ $names = append $names (include "ferry.fillPolicy" .) }}{{ end -}}
+{{- join "," $names -}}
+{{- end -}}
