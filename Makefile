@@ -96,10 +96,12 @@ demo: venv node-packages controlplane storage lws coredns images
 # operator in a pod, real Jobs on the real node, and (SERVE=vllm, the default)
 # vLLM itself serving the artifact in a pod there, ending with a completion.
 # SERVE=gpu wires a Deployment on kwok's fake GPU node instead (no vLLM image).
-# Leaves it all running.
+# CACHE=1 turns the chart's node cache on: the vLLM pod's weights are the
+# node's cache entry, filled by the operator. Leaves it all running.
 SERVE ?= vllm
+CACHE ?=
 demo-cluster: venv node-packages controlplane storage lws coredns s3server images $(if $(filter vllm,$(SERVE)),vllm-image)
-	SERVE=$(SERVE) $(PY) e2e/demo_cluster.py
+	SERVE=$(SERVE) CACHE=$(CACHE) $(PY) e2e/demo_cluster.py
 
 # Benchmarks (minutes, several GiB of scratch space under /tmp); see README.
 bench: venv s3server
@@ -107,6 +109,7 @@ bench: venv s3server
 	$(PY) bench/shard_bench.py
 	$(PY) bench/operator_scale.py --objects 100
 	$(PY) bench/header_bench.py
+	$(PY) bench/cache_mount_bench.py
 
 clean: cluster-down
 	rm -rf $(VENV) .ferry

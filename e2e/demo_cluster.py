@@ -17,6 +17,10 @@
    OpenAI completion from the pod, printed with the model name it was served
    under. SERVE=gpu: the Deployment asks for GPUs instead and lands on kwok's
    fake GPU node (wired, never run; no vLLM image needed).
+7. CACHE=1: the chart's node cache is on (its agent registered with the real
+   kubelet as the CSI driver cache.ferry.dev) and the ModelWeights asks for
+   it: the operator fills the node's entry with a fill Job, the vLLM pod's
+   weights are that entry, mounted read-only, and the demo prints so.
 
 The cluster, the operator and the S3 server keep running afterwards
 (`export KUBECONFIG=$PWD/.ferry/kubeconfig`); `make cluster-down` stops all of it.
@@ -47,6 +51,7 @@ BIN = Path(sys.executable).parent
 BUCKET = "models"
 SERVE = os.environ.get("SERVE") or "vllm"  # vllm: vLLM in a pod on the real node; gpu: kwok's GPU node
 DEPLOYMENT = "tiny-llama-vllm"
+CACHE = os.environ.get("CACHE") == "1"  # the node cache: the chart's agent, and serving.nodeCache
 
 
 def helm(*args: str) -> None:
@@ -76,7 +81,34 @@ def modelweights() -> dict:
             "spec": {"source": {"uri": f"s3://{BUCKET}/tiny-llama", "credentialsSecretRef": {"name": "s3-credentials"}},
                      "storage": {"pvc": {"size": "1Gi"}},
                      "format": {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"},
-                     "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}]}}}
+                     "serving": {"deployments": [{"name": "tiny-llama-vllm", "container": "vllm"}],
+                                 **({"nodeCache": {"enabled": True}} if CACHE else {})}}}
+
+
+def cache_values() -> list[str]:
+    """The chart's node cache on the real node: its kubelet's directory, a cache directory of the node's
+    (removed by `make cluster-down`), the node kubelet's evictionHard (e2e/localnode.py)."""
+    paths = localcluster.node_paths()
+    return ["--set", "nodeCache.enabled=true", "--set", f"nodeCache.kubeletDir={paths.kubelet_root}",
+            "--set", f"nodeCache.hostPath={paths.root / 'node-cache'}", "--set", "nodeCache.kubeletEvictionHard=1%"]
+
+
+def where_the_weights_came_from(pod: dict) -> None:
+    """The pod's weights volume, and the node agent's own words for this pod's mount."""
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "ferry-weights")
+    print(f"  the pod's weights volume: {json.dumps(volume)}")
+    if "csi" not in volume:
+        return
+    # The agent on the pod's own node (kwok's GPU node runs one too, which has no logs to give).
+    agents = kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node-cache",
+                     "--field-selector", f"spec.nodeName={pod['spec']['nodeName']}", "-o", "name", quiet=True).split()
+    agent = kubectl("logs", "-n", RELEASE_NAMESPACE, *agents[:1], "--tail=-1", quiet=True, check=False)
+    key = volume["csi"]["volumeAttributes"]["digest"].removeprefix("sha256:")
+    for line in agent.splitlines():
+        if key in line and ("fill slot of" in line or "published" in line or pod["metadata"]["name"] in line):
+            print(f"  node agent: {line.strip()[:200]}")
+    status = json.loads(kubectl("get", "mw", "tiny-llama", "-n", NAMESPACE, "-o", "json", quiet=True))["status"]
+    print(f"  status.cache: {json.dumps(status.get('cache'))}")
 
 
 def serve(applied: float) -> None:
@@ -90,6 +122,7 @@ def serve(applied: float) -> None:
     completion = vllm_pod.complete(pod["status"]["podIP"], body)
     print(f"  model {completion['model']!r}: {prompt!r} -> {completion['choices'][0]['text']!r}")
     print(f"  kubectl apply -> Ready vLLM pod on the pre-sharded artifact: {ready_after:.0f} s")
+    where_the_weights_came_from(pod)
 
 
 def wait_serving_pod(timeout: float = 900) -> dict:
@@ -142,7 +175,7 @@ def main() -> None:
          "--set", "image.pullPolicy=Never", "--set", f"operator.watchNamespaces={{{NAMESPACE}}}",
          "--set", "operator.resources.requests.cpu=50m",
          "--set-json", 'worker.resources={"requests":{"cpu":"250m","memory":"256Mi"},"limits":{"memory":"1Gi"}}',
-         "--wait", "--timeout", "180s")
+         *(cache_values() if CACHE else ()), "--wait", "--timeout", "180s")
     kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide")
 
     where = "vLLM itself on the real node" if SERVE == "vllm" else "GPU node"

@@ -396,6 +396,16 @@ def test_node_cache_is_off_by_default(helm):
 
 
 @pytest.mark.helm
+def test_the_operator_is_told_whether_the_node_agent_runs(helm):
+    """FERRY_NODE_CACHE is how the operator knows: without the agent it makes no fill Job (a fill pod would
+    wait for a CSI driver no node serves) and stalls a serving.nodeCache object saying why."""
+    for sets, value in (((), "false"), (("nodeCache.enabled=true",), "true")):
+        (dep,) = by_kind(render(helm, *sets), "Deployment")
+        env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["FERRY_NODE_CACHE"] == value, sets
+
+
+@pytest.mark.helm
 def test_node_cache_agent_when_enabled(helm):
     docs = render(helm, "nodeCache.enabled=true")
     (driver,) = by_kind(docs, "CSIDriver")
@@ -446,7 +456,8 @@ def test_node_cache_agent_when_enabled(helm):
     assert c["securityContext"]["privileged"] is True
     assert c["command"] == ["ferry", "cache", "--root", "/var/lib/ferry/cache", "--high", "90%", "--low", "80%",
                             "--eviction-hard", "10%", "agent", "--kubelet-dir", "/var/lib/kubelet",
-                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30", "--reverify-after", "3600",
+                            "--node-name", "$(NODE_NAME)", "--mount-wait", "30", "--namespace-share", "50%",
+                            "--fill-reservation", "14400", "--reverify-after", "3600",
                             "--scrub-every", "86400"]
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
     assert c["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
@@ -465,11 +476,17 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     docs = render(helm, "nodeCache.enabled=true", "nodeCache.high=3500000", "nodeCache.low=500Gi",
                   "nodeCache.kubeletEvictionHard=1Gi", "nodeCache.mountWaitSeconds=5", "nodeCache.reverifyAfterSeconds=0",
                   "nodeCache.scrubIntervalSeconds=0", "nodeCache.kubeletDir=/data/kubelet", "nodeCache.hostPath=/mnt/nvme/ferry",
-                  "nodeCache.nodeSelector.pool=gpu")
+                  "nodeCache.nodeSelector.pool=gpu", "nodeCache.namespaceShare=200Gi", "nodeCache.fillDeadlineSeconds=3600")
     (ds,) = by_kind(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     args = c["command"]
+    assert args[args.index("--namespace-share") + 1] == "200Gi"
+    # The agent holds a fill's room as long as the operator lets its fill Job live.
+    assert args[args.index("--fill-reservation") + 1] == "3600"
+    (dep,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FERRY_FILL_DEADLINE_SECONDS"] == "3600"
     flags = dict(zip(args[2:10:2], args[3:10:2]))
     assert flags == {"--root": "/var/lib/ferry/cache", "--high": "3500000", "--low": "500Gi", "--eviction-hard": "1Gi"}
     assert args[args.index("--mount-wait") + 1] == "5"

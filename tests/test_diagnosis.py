@@ -143,6 +143,29 @@ def test_a_missing_credentials_secret_fails_at_once_and_says_what_to_do():
     assert "create it in namespace ml, or fix spec.source.credentialsSecretRef" in state.message
 
 
+def test_a_secret_without_the_required_key_fails_at_once_naming_the_key_and_the_field():
+    p = pod(waiting={"reason": "CreateContainerConfigError",
+                     "message": "couldn't find key HF_TOKEN in Secret ml/hf-token"})
+    state = run(pods=[p])
+    assert state.phase == StepPhase.FAILED and state.reason == "SecretNotFound"
+    assert state.message.startswith("Secret ml/hf-token (spec.source.credentialsSecretRef) has no key HF_TOKEN, ")
+    assert "add it to the Secret, or fix spec.source.credentialsSecretRef" in state.message
+
+
+def test_a_missing_store_secret_is_named_by_its_own_field():
+    obj = manifest(format={"type": "tensorizer", "tensorParallelSize": 2},
+                   storage={"pvc": {"size": "100Gi"}, "s3": {"uri": "s3://artifacts/llama",
+                                                            "credentialsSecretRef": {"name": "store-creds"}}})
+    m = parse({**obj, "metadata": {"name": "llama", "namespace": "ml", "uid": "mw-uid"}})
+    job = make_job(obj)
+    job["spec"] = jobs.job_manifest(m, prepare_steps(m.spec)[1], "mw-uid", SETTINGS)["spec"]  # tensorize
+    job["metadata"]["labels"]["ferry.dev/step"] = "tensorize"
+    p = pod(waiting={"reason": "CreateContainerConfigError", "message": 'secret "store-creds" not found'})
+    state = run(job=job, pods=[p])
+    assert state.reason == "SecretNotFound"
+    assert "Secret ml/store-creds (spec.storage.s3.credentialsSecretRef) does not exist" in state.message
+
+
 def test_a_secret_cache_hiccup_is_not_a_failure():
     p = pod(waiting={"reason": "CreateContainerConfigError",
                      "message": "failed to sync secret cache: timed out waiting for the condition"})

@@ -220,11 +220,17 @@ def test_the_planner_stalls_a_deployment_asking_for_data_parallelism_and_records
     assert conds(p)["Stalled"] == ("False", "Progressing")
 
 
-def test_the_recorded_artifact_keeps_the_moe_facts_once_the_jobs_are_gone():
+def test_the_moe_facts_of_a_recorded_artifact_come_from_the_executors_record_first():
     m = mw(with_("serving", None, VALID["moe-expert-parallel"]))
     steps = prepare_steps(m.spec)
     done = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
     ready = plan(m, Observed(steps=done, artifact=MOE_FACTS))
     assert conds(ready)["Ready"] == ("True", "Ready")
     m.status = ready.status
-    assert recorded_artifact(m, steps, MOE_FACTS.uri) == MOE_FACTS
+    # The executor keeps the last step's validated result (its Job stays; its record outlives the pod).
+    assert recorded_artifact(m, steps, MOE_FACTS.uri, MOE_FACTS) == MOE_FACTS
+    # Without it (restarted, the Job gone): the status's, which shape only this object's own flags.
+    unverified = recorded_artifact(m, steps, MOE_FACTS.uri)
+    assert unverified.manifest_digest == MOE_FACTS.manifest_digest
+    assert (unverified.experts, unverified.expert_parallel, unverified.target) == (
+        MOE_FACTS.experts, MOE_FACTS.expert_parallel, MOE_FACTS.target)

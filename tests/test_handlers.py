@@ -117,3 +117,16 @@ def test_an_event_about_a_serving_pod_is_posted_on_that_pod_with_its_uid(monkeyp
     # `kubectl describe pod` finds Events by the pod's uid too.
     assert posted == [({"apiVersion": "v1", "kind": "Pod", "metadata": {
         "name": "llama-7d-x", "namespace": "ml", "uid": "uid-pod"}}, "NodeCacheCorrupt"), (body, "NodeCacheEvicted")]
+
+
+def test_the_status_patch_nulls_artifact_fields_the_operator_no_longer_sets():
+    """A merge patch merges maps: facts someone else wrote into status.artifact (a forged `experts`) are
+    removed by the operator's next write, not kept beside its own."""
+    from ferry_operator.api.types import ModelWeightsStatus
+    from ferry_operator.handlers import _status_patch
+
+    mine = {"uri": "pvc://c/u/d", "format": "safetensors", "totalBytes": 3, "manifestDigest": "sha256:" + "ab" * 32}
+    forged = {**mine, "totalBytes": 1 << 50, "experts": 256, "expertParallel": True}
+    patch = _status_patch({"artifact": forged}, ModelWeightsStatus.model_validate({"artifact": mine}))
+    assert patch["artifact"]["experts"] is None and patch["artifact"]["expertParallel"] is None
+    assert patch["artifact"]["totalBytes"] == 3

@@ -163,7 +163,10 @@ def test_tensorize_writes_to_its_own_prefix_with_the_stores_credentials_and_key(
     settings = jobs.WorkerSettings(image="ferry:dev", tensorize_image="ferry-tensorize:dev")
     fetch_pod = jobs.job_manifest(m, fetch, "uid", settings)["spec"]["template"]["spec"]
     (fc,) = fetch_pod["containers"]
-    assert fc["image"] == "ferry:dev" and fc["envFrom"] == [{"secretRef": {"name": "source-creds"}}]
+    assert fc["image"] == "ferry:dev" and "envFrom" not in fc
+    source = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in fc["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert source["AWS_ACCESS_KEY_ID"] == {"name": "source-creds", "key": "AWS_ACCESS_KEY_ID", "optional": False}
+    assert source["AWS_ENDPOINT_URL"] == {"name": "source-creds", "key": "AWS_ENDPOINT_URL", "optional": True}
     pod = jobs.job_manifest(m, tensorize, "uid", settings)["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"] == "ferry-tensorize:dev" and "envFrom" not in c  # not the source's credentials
@@ -320,3 +323,86 @@ def test_the_staging_directory_goes_once_the_artifact_is_recorded():
     assert c["command"] == ["rm", "-rf", "--one-file-system", f"/weights/{m.metadata.name}/{UID}/{digest}/staging"]
     assert job["metadata"]["labels"]["ferry.dev/step"] == "staging" and job["spec"]["activeDeadlineSeconds"] > 0
     assert job["metadata"]["name"] != jobs.cleanup_job_name(m, digest)
+
+
+# --- Secrets by key, never whole ----------------------------------------------------------------
+
+PVC_SOURCE = with_("source", {"uri": "pvc://team-models/llama", "credentialsSecretRef": {"name": "source-creds"}})
+EVERY_KIND = {
+    "hf-sharded_state": manifest(),
+    "hf-safetensors": with_("format", {"type": "safetensors"}),
+    "s3-source": S3_SOURCE,
+    "pvc-source": PVC_SOURCE,
+    "tensorizer-store": tensorizer_mw_manifest(encryptionSecretRef={"name": "tensorizer-key"}),
+    "runai_streamer-publish": with_("format", {"type": "runai_streamer"}, base=tensorizer_mw_manifest()),
+}
+
+
+def every_job(m, settings=SETTINGS):
+    """all_jobs, the staging cleanup, and a fill Job from each kind of artifact the node cache reads."""
+    from ferry_operator.api.types import Artifact
+    from ferry_operator.executors.cache_fill import fill_job_manifest
+
+    made = all_jobs(m, settings)
+    made["staging"] = jobs.staging_cleanup_job_manifest(m, "abc123def456", UID, settings)
+    on_s3 = (m.spec.storage and m.spec.storage.s3) or m.spec.source.uri.startswith("s3://")
+    for uri in ["pvc://llama-weights/llama/abc", *(["s3://artifacts/llama/ml/x"] if on_s3 else [])]:
+        artifact = Artifact(uri=uri, format=m.spec.format.type, total_bytes=1 << 30,
+                            manifest_digest="sha256:" + "1" * 64)
+        made[f"fill {uri.split(':')[0]}"] = fill_job_manifest(m, UID, "gpu-a", artifact, 1, settings)
+    return made
+
+
+def secret_env(c):
+    """(variable, Secret, key) of each env entry whose value comes from a Secret."""
+    return [(e["name"], e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for e in c.get("env", []) if "secretKeyRef" in (e.get("valueFrom") or {})]
+
+
+@pytest.mark.parametrize("obj", EVERY_KIND.values(), ids=EVERY_KIND.keys())
+def test_no_job_imports_a_secret_whole_and_only_the_kinds_keys_reach_a_pod(obj):
+    from ferry_operator.api.types import SECRET_KEYS
+
+    m = mw(obj)
+    allowed = {m.spec.source.credentials_secret_ref.name: set(SECRET_KEYS[m.spec.source.uri.split(":")[0]]),
+               "store-creds": set(SECRET_KEYS["store"])}
+    for name, job in every_job(m).items():
+        pod = job["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert "envFrom" not in c, name
+            for var, secret, key in secret_env(c):
+                assert var == key and key in allowed[secret], (name, var, secret)
+    # A PYTHONPATH or LD_PRELOAD key of the Secret has no way into a pod: no allowed name is one.
+    assert not {"PYTHONPATH", "LD_PRELOAD", "AWS_EC2_METADATA_DISABLED", "HF_HOME"} & {
+        k for keys in SECRET_KEYS.values() for k in keys}
+
+
+def test_only_the_fetch_gets_the_sources_keys_and_the_credential_itself_is_required():
+    m = mw(manifest())  # hf://, sharded_state: fetch, then shard
+    fetch, shard = (container(jobs.job_manifest(m, s, UID, SETTINGS)) for s in prepare_steps(m.spec))
+    hub_keys = ["HF_TOKEN", "HF_ENDPOINT", "REQUESTS_CA_BUNDLE", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY"]
+    assert [(v, s) for v, s, _ in secret_env(fetch)] == [(k, "hf-token") for k in hub_keys]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["optional"] for e in fetch["env"] if "valueFrom" in e
+            and "secretKeyRef" in e["valueFrom"]}
+    # Required: a missing Secret stops the pod (SecretNotFound, diagnosis.py) instead of a fetch without it.
+    assert refs == {k: k != "HF_TOKEN" for k in hub_keys}
+    assert secret_env(shard) == []  # the shard reads the claim, never the source
+    assert secret_env(container(jobs.job_manifest(mw(PVC_SOURCE), prepare_steps(mw(PVC_SOURCE).spec)[0], UID,
+                                                  SETTINGS))) == []
+
+
+@pytest.mark.parametrize("obj", EVERY_KIND.values(), ids=EVERY_KIND.keys())
+def test_metadata_is_off_in_every_job_fill_jobs_included_and_no_env_name_is_set_twice(obj):
+    guard = {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}
+    m = mw(obj)
+    for name, job in every_job(m).items():
+        c = container(job)
+        assert guard in c["env"], name
+        names = [e["name"] for e in c["env"]]
+        # One entry per name, and no Secret behind Ferry's own (no envFrom exists to override them either).
+        assert len(names) == len(set(names)), (name, names)
+        assert "AWS_EC2_METADATA_DISABLED" not in {v for v, _, _ in secret_env(c)}, name
+    allowed = jobs.WorkerSettings(image="ferry:dev", allow_instance_credentials=True)
+    for name, job in every_job(m, allowed).items():
+        if not name.startswith("fill s3"):  # storage.s3.endpoint is off AWS: no metadata service there
+            assert guard not in container(job)["env"], name

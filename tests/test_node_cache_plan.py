@@ -17,6 +17,7 @@ from ferry_operator.api.validation import InvalidSpec, parse
 from ferry_operator.executors.cache_fill import fill_facts, fill_job_manifest
 from ferry_operator.executors.jobs import WorkerSettings
 from ferry_operator.node_cache import FillFacts, FillNode, RemoveFill
+from ferry_operator.placement import NodeFacts, placement_of
 from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
 from ferry_operator.serving import CACHE_AGENT_LABEL, WorkloadFacts, cache_evicted_label, cache_label
 from ferry_operator.serving_loader import LoaderSettings
@@ -49,10 +50,14 @@ def deployment(**kw) -> WorkloadFacts:
     return replace(base, **kw)
 
 
-def observed(m, dep: WorkloadFacts, pods=(), fills=(), prewarm=(), nodes=None) -> Observed:
+def observed(m, dep: WorkloadFacts, pods=(), fills=(), prewarm=(), nodes=None, facts=None) -> Observed:
+    """`nodes`: the agent's labels by node; `facts`: the node index (default: every node named here, with
+    no labels or taints)."""
+    named = set(prewarm) | {p.node for p in pods if p.node} | {f.node for f in fills}
     return Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}, artifact=FACTS,
                     workloads={NAME: dep}, pods=list(pods), fills=list(fills), prewarm_nodes=list(prewarm),
-                    cache_nodes=nodes or {})
+                    cache_nodes=nodes or {}, nodes=facts if facts is not None else {n: NodeFacts(n) for n in named},
+                    node_agent=True)
 
 
 def waiting_pod(node: str, created: datetime | None = None, digest: str = DIGEST) -> PodFacts:
@@ -121,7 +126,7 @@ def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_
 
     def wire(m, current: WorkloadFacts):
         seen = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)},
-                        artifact=S3_FACTS, workloads={NAME: current}, fills=[])
+                        artifact=S3_FACTS, workloads={NAME: current}, fills=[], node_agent=True)
         (patch,) = kinds(plan(m, seen, loader=LOADER), PatchWorkload)
         return patch.patch["spec"]["template"]["spec"], apply(current, patch.patch)
 
@@ -393,7 +398,10 @@ def test_the_fill_job_runs_on_its_node_with_the_workers_rights_and_no_token():
     artifact = Artifact(uri=FACTS.uri, format="sharded_state", total_bytes=FACTS.total_bytes, manifest_digest=DIGEST)
     job = fill_job_manifest(m, "u-1", "gpu-a", artifact, 2, settings)
     pod = job["spec"]["template"]["spec"]
-    assert pod["nodeName"] == "gpu-a" and "nodeSelector" not in pod and pod["tolerations"] == [{"operator": "Exists"}]
+    # Pinned through the scheduler, not nodeName; the chart's prepare-Job placement is not the fill's.
+    assert "nodeName" not in pod and "nodeSelector" not in pod and "tolerations" not in pod
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}]}]
     assert pod["serviceAccountName"] == "ferry-worker" and pod["automountServiceAccountToken"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -430,6 +438,13 @@ def test_fill_facts_read_the_job_and_quote_the_failed_pods_error():
          "lastTransitionTime": "2026-12-02T08:00:00Z"}]}}, [pod])
     assert failed.phase == "Failed" and "CacheError: no manifest" in failed.message and failed.finished_at == FIXED
     assert fill_facts({"metadata": meta, "status": {}}, []).phase == "Running"
+    # A fill pod the scheduler cannot place says so (it goes through the scheduler: its node's room counts).
+    pending = {"metadata": {"name": "fill-x"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 1 Insufficient cpu."}]}}
+    waiting = fill_facts({"metadata": meta, "status": {}}, [pending])
+    assert waiting.phase == "Running"
+    assert waiting.message == "pod fill-x is not scheduled: Unschedulable 0/3 nodes are available: 1 Insufficient cpu."
 
 
 def test_status_cache_is_written_and_cleared_by_the_status_patch():
@@ -441,3 +456,126 @@ def test_status_cache_is_written_and_cleared_by_the_status_patch():
     assert patch["cache"] == {"digest": DIGEST, "warmNodes": 1, "fillingNodes": 0, "nodes": ["gpu-a"], "summary": "1",
                               "evictions": []}
     assert _status_patch({"cache": patch["cache"]}, ModelWeightsStatus())["cache"] is None
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+TEAM_B = {"key": "team", "value": "b", "effect": "NoSchedule"}
+GPU_TEMPLATE = {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "nodeSelector": {"pool": "h100"}}
+POOL = {"gpu-a": NodeFacts("gpu-a", {"pool": "h100"}, [GPU_TAINT]),
+        "gpu-b": NodeFacts("gpu-b", {"pool": "h100", "team": "b"}, [GPU_TAINT, TEAM_B])}
+REFUSED_B = f"node gpu-b: taint team=b:NoSchedule is not tolerated by deployment {NAME}'s pod template"
+
+
+def message(p, kind="Reconciling"):
+    return {c.type: c.message for c in p.status.conditions}[kind]
+
+
+def test_a_prewarm_fills_only_the_nodes_the_wired_pods_may_use_and_names_the_others():
+    """gpu-b is dedicated to team b (a taint the workload does not tolerate): no fill goes there, the status
+    says why, and the prewarm waits only for gpu-a."""
+    m = cached(prewarm={"nodeSelector": {"pool": "h100"}})
+    dep = deployment(placement=placement_of(GPU_TEMPLATE))
+    p = plan(m, observed(m, dep, prewarm=["gpu-a", "gpu-b"], facts=POOL), loader=LOADER)
+    (fill,) = kinds(p, FillNode)
+    assert fill.node == "gpu-a" and fill.placement == dep.placement
+    assert f"no fill on {REFUSED_B}" in message(p)
+    assert "0/1 nodes hold the artifact (waiting for gpu-a" in message(p)
+    p = plan(m, observed(m, dep, fills=[warm("gpu-a")], prewarm=["gpu-a", "gpu-b"], facts=POOL), loader=LOADER)
+    assert len(kinds(p, PatchWorkload)) == 1 and not kinds(p, FillNode)  # gpu-b holds nothing up
+
+
+def test_a_prewarm_that_selects_only_nodes_the_workload_may_not_use_stalls_naming_node_and_taint():
+    m = cached(prewarm={"nodeSelector": {"team": "b"}})
+    dep = deployment(placement=placement_of(GPU_TEMPLATE))
+    p = plan(m, observed(m, dep, prewarm=["gpu-b"], facts=POOL), loader=LOADER)
+    assert p.actions == []  # no fill Job, no patch
+    stalled = {c.type: c for c in p.status.conditions}["Stalled"]
+    assert (stalled.status, stalled.reason) == ("True", "PrewarmNodesRefused")
+    assert REFUSED_B in stalled.message and "{'team': 'b'} selects only nodes" in stalled.message
+    # A fill an earlier operator started there (pinned by nodeName, tolerating every taint) goes.
+    old = FillFacts("gpu-b", DIGEST, "Running", round=0)
+    p = plan(m, observed(m, dep, fills=[old], prewarm=["gpu-b"], facts=POOL), loader=LOADER)
+    assert p.actions == [RemoveFill("gpu-b", DIGEST, 0)] and "gpu-b" in message(p, "Stalled")
+    # A selector the template's own nodeSelector or required affinity rules out: the same.
+    elsewhere = {"cpu-1": NodeFacts("cpu-1", {"team": "b", "pool": "cpu"})}
+    p = plan(m, observed(m, dep, prewarm=["cpu-1"], facts=elsewhere), loader=LOADER)
+    assert "node cpu-1: deployment llama-70b-vllm's pod template has nodeSelector pool=h100 and the node has " \
+           "pool=cpu" in message(p, "Stalled")
+    # No wired workload read (not created yet): nothing says its pods may go anywhere.
+    seen = replace(observed(m, dep, prewarm=["gpu-a"], facts=POOL), workloads={NAME: None})
+    assert "no wired workload's pod template was read" in message(plan(m, seen, loader=LOADER), "Stalled")
+
+
+def test_a_pod_waiting_on_a_node_its_template_may_not_use_gets_no_fill_and_a_running_one_there_goes():
+    """A pod placed by hand (nodeName) on another team's node, or a template that lost its toleration."""
+    m = cached()
+    dep = wired(m, deployment(placement=placement_of(GPU_TEMPLATE)))
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-b")], facts=POOL), loader=LOADER)
+    assert kinds(p, FillNode) == [] and f"no fill on {REFUSED_B}" in message(p)
+    assert p.held  # it waits for a fix, which events announce: the handlers' poll backs off
+    running = FillFacts("gpu-b", DIGEST, "Running", round=0)
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-b")], fills=[running], facts=POOL), loader=LOADER)
+    assert kinds(p, RemoveFill) == [RemoveFill("gpu-b", DIGEST, 0)] and kinds(p, FillNode) == []
+    # A node the index does not hold (deleted): no fill either.
+    p = plan(m, observed(m, dep, pods=[waiting_pod("gpu-z")], facts=POOL), loader=LOADER)
+    assert kinds(p, FillNode) == [] and "node gpu-z: the operator's node index does not hold it" in message(p)
+
+
+def test_an_lws_leader_template_may_place_a_fill_its_worker_template_may_not():
+    m = cached(prewarm={"nodeSelector": {"pool": "h100"}})
+    leader = replace(deployment(), placement=placement_of({"tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists"}]}))
+    dep = replace(deployment(), leader=leader)  # the worker template tolerates nothing
+    only_a = {"gpu-a": POOL["gpu-a"]}
+    (fill,) = kinds(plan(m, observed(m, dep, prewarm=["gpu-a"], facts=only_a), loader=LOADER), FillNode)
+    assert fill.placement == leader.placement and dep.placement.tolerations == []
+
+
+def test_without_the_node_agent_no_fill_job_is_made_and_the_status_says_why():
+    m = cached(prewarm={"nodeSelector": {"pool": "h100"}})
+    obs = replace(observed(m, deployment(), pods=[waiting_pod("gpu-a")], prewarm=["gpu-a"]), node_agent=False)
+    p = plan(m, obs, loader=LOADER)
+    assert p.actions == []
+    stalled = {c.type: c for c in p.status.conditions}["Stalled"]
+    assert (stalled.status, stalled.reason) == ("True", "NodeCacheUnavailable")
+    assert "installed without its node agent (the chart's nodeCache.enabled is false)" in stalled.message
+
+
+def test_the_fill_job_carries_the_templates_placement_pinned_to_its_node_and_no_toleration_of_every_taint():
+    m = cached()
+    settings = WorkerSettings(image="ferry.local/ferry:dev", node_selector={"pool": "cpu"},
+                              tolerations=[{"operator": "Exists"}])
+    template = {"nodeSelector": {"pool": "h100"},
+                "tolerations": [{"operator": "Exists"}, {"key": "nvidia.com/gpu", "operator": "Exists"}],
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}]}]}},
+                    "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                        {"labelSelector": {"matchLabels": {"app": NAME}}, "topologyKey": "kubernetes.io/hostname"}]}}}
+    artifact = Artifact(uri=FACTS.uri, format="sharded_state", total_bytes=FACTS.total_bytes, manifest_digest=DIGEST)
+    pod = fill_job_manifest(m, "u-1", "gpu-a", artifact, 0, settings, placement_of(template))["spec"]["template"][
+        "spec"]
+    assert "nodeName" not in pod and pod["nodeSelector"] == {"pool": "h100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert not [t for t in pod["tolerations"] if t.get("operator") == "Exists" and not t.get("key")]
+    # The template's terms, each narrowed to the node; its pod anti-affinity (about its own pods) is not carried.
+    assert pod["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}],
+                               "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-a"]}]}]}}}
+
+
+def test_a_fill_jobs_deadline_is_capped_whatever_the_claim_size():
+    """A fill Job (and the room its slot reserves on the node) lives at most the chart's
+    nodeCache.fillDeadlineSeconds: a tenant's storage.pvc.size does not stretch it to years."""
+    huge = parse({**(obj := with_("serving.nodeCache", {"enabled": True})), "spec": {
+        **obj["spec"], "storage": {**(obj["spec"].get("storage") or {}), "pvc": {"size": "900Ti"}}},
+        "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
+    artifact = Artifact(uri=FACTS.uri, format="sharded_state", total_bytes=FACTS.total_bytes, manifest_digest=DIGEST)
+    settings = WorkerSettings(image="ferry.local/ferry:dev", fill_deadline_seconds=7200)
+    job = fill_job_manifest(huge, "u-1", "gpu-a", artifact, 0, settings, placement_of({}))
+    assert job["spec"]["activeDeadlineSeconds"] == 7200
+    from ferry_operator.executors.jobs import prepare_deadline
+
+    roomy = replace(settings, fill_deadline_seconds=10 ** 6)  # a cap above the derived deadline leaves it be
+    small = fill_job_manifest(cached(), "u-1", "gpu-a", artifact, 0, roomy, placement_of({}))
+    assert small["spec"]["activeDeadlineSeconds"] == prepare_deadline(cached(), roomy) < 10 ** 6

@@ -91,7 +91,9 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert digest_dir.startswith(f"/weights/llama/{mw['metadata']['uid']}/")  # this object's own directory
     assert c["image"] == IMAGE and pod["serviceAccountName"] == "ferry-worker"
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert c["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert "envFrom" not in c  # the Secret's keys by name only (api.types.SECRET_KEYS)
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN",
+                                                               "optional": False}}} in c["env"]
     assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}} \
         in c["env"]  # the worker reports progress on its own pod
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}}
@@ -117,15 +119,16 @@ def test_sharded_state_runs_as_jobs_on_a_created_claim(crd, namespace, k8s_opera
     assert status["artifact"]["size"] == "3.0Mi"
     assert {c["type"]: c["status"] for c in status["conditions"]}["Stalled"] == "False"
 
-    # Durable facts: the status records the artifact for this spec, so the Jobs
-    # may expire (TTL set once recorded) and deleting them and their pods
-    # changes nothing: nothing re-runs, Ready stays, through the reconciles their deletion woke and one
-    # asked for after it and waited for.
+    # Durable facts: the status records the artifact for this spec, so the earlier Jobs
+    # may expire (TTL set once recorded; the last step's Job stays, its result the record of the
+    # artifact's size) and deleting them and their pods changes nothing: nothing re-runs, Ready
+    # stays, through the reconciles their deletion woke and one asked for after it and waited for.
     assert status["artifact"]["specDigest"] == digest_dir.rsplit("/", 1)[-1]
-    ttls = wait_for(lambda: [j["spec"].get("ttlSecondsAfterFinished") for j in jobs(crd, namespace).values()]
-                    if all(j["spec"].get("ttlSecondsAfterFinished") for j in jobs(crd, namespace).values()) else None,
+    earlier = lambda: {n: j for n, j in jobs(crd, namespace).items() if n != "shard"}  # noqa: E731
+    ttls = wait_for(lambda: [j["spec"].get("ttlSecondsAfterFinished") for j in earlier().values()]
+                    if all(j["spec"].get("ttlSecondsAfterFinished") for j in earlier().values()) else None,
                     "TTL on the finished Jobs")
-    assert set(ttls) == {600}
+    assert set(ttls) == {600} and "ttlSecondsAfterFinished" not in jobs(crd, namespace)["shard"]["spec"]
     crd.kubectl("delete", "jobs", "--all", "-n", namespace, "--cascade=foreground", "--wait=true")
     crd.kubectl("delete", "pods", "--all", "-n", namespace, "--wait=true", "--grace-period=0", "--force")
     after = reconcile_on_request(crd, namespace, "llama", k8s_operator)
@@ -190,3 +193,35 @@ def test_a_planted_pod_with_the_jobs_labels_cannot_report_the_result(crd, namesp
     crd.kubectl("wait", "--for=condition=Ready", "mw/llama", "-n", namespace, "--timeout=60s")
     artifact = crd.get_json("mw", "llama", "-n", namespace)["status"]["artifact"]
     assert (artifact["manifestDigest"], artifact["totalBytes"]) == (result["manifestDigest"], result["totalBytes"])
+
+
+def test_a_forged_status_artifact_changes_no_job_ferry_writes(crd, namespace, storage_class, k8s_operator):
+    """Whoever may write modelweights/status can record any size and MoE facts for the right URI and
+    digest. The operator takes them from the last step's validated result (its Job's own pod, and its
+    record of it), never from the status: the Jobs stay as they were and the forged facts are put back."""
+    crd.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"pv-{namespace}"},
+               "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                        "storageClassName": storage_class, "hostPath": {"path": f"/tmp/{namespace}"}}})
+    crd.apply({"apiVersion": "ferry.dev/v1alpha1", "kind": "ModelWeights",
+               "metadata": {"name": "llama", "namespace": namespace},
+               "spec": {"source": {"uri": "hf://org/tiny-llama"},
+                        "storage": {"pvc": {"size": "1Gi", "storageClassName": storage_class}},
+                        "format": {"type": "safetensors"}}})
+    fetch = wait_for(lambda: jobs(crd, namespace).get("fetch"), "the fetch Job")
+    (own,) = wait_for(lambda: crd.get_json("pods", "-n", namespace, "-l",
+                                           f"batch.kubernetes.io/controller-uid={fetch['metadata']['uid']}")["items"],
+                      "the fetch Job's pod")
+    result = {"manifestDigest": "sha256:" + "ab" * 32, "totalBytes": 3 << 20}
+    write_result(crd, namespace, own["metadata"]["name"], json.dumps(result))
+    crd.kubectl("wait", "--for=condition=Ready", "mw/llama", "-n", namespace, "--timeout=60s")
+    before = {n: (j["metadata"]["uid"], j["spec"]) for n, j in jobs(crd, namespace).items()}
+
+    crd.kubectl("patch", "mw", "llama", "-n", namespace, "--subresource=status", "--type=merge", "-p",
+                json.dumps({"status": {"artifact": {"totalBytes": 1 << 50, "size": "1.0Pi", "experts": 256,
+                                                    "expertParallel": True}}}))
+    after = reconcile_on_request(crd, namespace, "llama", k8s_operator)
+    assert (after["artifact"]["totalBytes"], after["artifact"]["size"]) == (3 << 20, "3.0Mi")
+    assert "experts" not in after["artifact"] and "expertParallel" not in after["artifact"]
+    assert after["artifact"]["manifestDigest"] == result["manifestDigest"]
+    assert {n: (j["metadata"]["uid"], j["spec"]) for n, j in jobs(crd, namespace).items()} == before
+    assert {c["type"]: c["status"] for c in after["conditions"]}["Ready"] == "True"

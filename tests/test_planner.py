@@ -270,6 +270,8 @@ def test_blocked_stalls_and_keeps_what_was_observed():
 
 
 def test_the_recorded_artifact_is_the_source_of_truth_for_its_spec_only():
+    from dataclasses import replace
+
     from ferry_operator.planner import recorded_artifact
 
     m = mw()
@@ -278,7 +280,10 @@ def test_the_recorded_artifact_is_the_source_of_truth_for_its_spec_only():
     ready = plan(m, Observed(steps=prepared(m), artifact=FACTS))
     assert ready.status.artifact.spec_digest == steps[-1].digest
     m.status = ready.status
+    assert recorded_artifact(m, steps, FACTS.uri, FACTS) == FACTS  # with the executor's record of it
+    # Without one (restarted, the Job gone): the status's facts, which act on this object's own only.
     assert recorded_artifact(m, steps, FACTS.uri) == FACTS
+    assert recorded_artifact(m, steps, FACTS.uri, replace(FACTS, uri="pvc://elsewhere/x")) == FACTS
     # A record pointing anywhere but where the executor writes it is not this object's artifact.
     for elsewhere in ("file:///var/run/secrets/kubernetes.io", "pvc://other-team/llama/abc", "s3://x/y"):
         assert recorded_artifact(m, steps, elsewhere) is None
@@ -289,6 +294,44 @@ def test_the_recorded_artifact_is_the_source_of_truth_for_its_spec_only():
     # A record without a manifest digest (an older operator's) proves nothing.
     m.status.artifact.manifest_digest = None
     assert recorded_artifact(m, steps, FACTS.uri) is None
+
+
+def test_a_forged_status_artifact_changes_no_job_or_patch_ferry_renders():
+    """Whoever may write the status could record any size and MoE facts for the right URI and digest:
+    the size that a fill Job declares to the node agent, and the experts that decide whether the
+    container's own data-parallel flags are refused, come from the executor's record only."""
+    from ferry_operator.api.types import ModelWeightsStatus
+    from ferry_operator.executors.cache_fill import fill_job_manifest
+    from ferry_operator.executors.jobs import WorkerSettings
+    from ferry_operator.planner import recorded_artifact
+
+    steps = prepare_steps(mw().spec)
+    dp = deployment(args=[*VLLM_ARGS, "--data-parallel-size", "2"])  # refused only for a pre-cut MoE artifact
+    recorded = plan(mw(), Observed(steps=prepared(mw()), artifact=FACTS)).status
+
+    def rendered(status, verified):
+        m = mw({**manifest(), "metadata": {"name": "llama", "namespace": "ml", "uid": "u-1"}})
+        m.status = ModelWeightsStatus.model_validate(status.model_dump())
+        facts = recorded_artifact(m, steps, FACTS.uri, verified)
+        p = plan(m, Observed(steps=prepared(m), artifact=facts, workloads={"llama-70b-vllm": dp}))
+        fill = fill_job_manifest(m, "uid", "gpu-a", p.status.artifact, 1, WorkerSettings(image="ferry:dev"))
+        return p.actions, fill, conds(p)
+
+    forged = recorded.model_copy(deep=True)
+    forged.artifact.total_bytes, forged.artifact.experts, forged.artifact.expert_parallel = 1 << 50, 256, True
+    assert rendered(forged, FACTS) == rendered(recorded, FACTS)
+    actions, fill, _ = rendered(forged, FACTS)
+    assert isinstance(actions[0], PatchWorkload)  # not refused as a MoE artifact
+    (volume,) = [v for v in fill["spec"]["template"]["spec"]["volumes"] if "csi" in v]
+    assert volume["csi"]["volumeAttributes"]["bytes"] == str(FACTS.total_bytes)  # the executor's, not 1 PiB
+    # No record (a new operator, the Job gone): the status's facts, forged or not. They act on this object's
+    # own only: its serving flags, and a fill the node agent holds to the bytes it declares and charges to
+    # this namespace (tests/worker/test_cache_fairness.py).
+    m = mw()
+    m.status = forged
+    unverified = recorded_artifact(m, steps, FACTS.uri, None)
+    assert (unverified.uri, unverified.manifest_digest) == (FACTS.uri, FACTS.manifest_digest)
+    assert (unverified.total_bytes, unverified.experts, unverified.expert_parallel) == (1 << 50, 256, True)
 
 
 def test_a_retryable_failure_is_retried_with_backoff_then_stalls():

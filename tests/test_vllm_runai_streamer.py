@@ -249,7 +249,8 @@ def wire(pub: Published, tp: int, node_cache: bool = False) -> Wired:
     current = facts(["vllm", "serve"], USER_ARGS, name=DEPLOYMENT)
     observed = Observed(steps={s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(mw.spec)},
                         artifact=pub.facts, workloads={DEPLOYMENT: current},
-                        fills=[] if node_cache else None)  # the kubernetes executor's (no fill yet)
+                        fills=[] if node_cache else None,  # the kubernetes executor's (no fill yet)
+                        node_agent=node_cache)  # the chart's nodeCache.enabled
     p = plan(mw, observed, loader=LOADER)
     (action,) = [a for a in p.actions if isinstance(a, PatchWorkload)]
     assert action.name == DEPLOYMENT

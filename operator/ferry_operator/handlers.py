@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from .api.validation import InvalidSpec, parse
 from .events import WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
 from .node_cache import FillNode, RemoveFill
+from .placement import NodeFacts, node_facts, selected
 from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
 from .serving import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts, cache_evicted_label,
@@ -60,6 +62,11 @@ REQUESTED_AT = "ferry.dev/requested-at"
 # Superseded artifacts deletionPolicy Retain keeps (the newest ones); older ones are removed.
 KEEP_PREVIOUS = int(os.environ.get("FERRY_RETAIN_PREVIOUS_ARTIFACTS", "1"))
 LWS = APIS[WorkloadKind.LEADER_WORKER_SET.value]
+# The chart sets it with nodeCache.enabled: the cluster runs Ferry's node agent. Without it, no fill Job.
+NODE_AGENT = os.environ.get("FERRY_NODE_CACHE", "").lower() == "true"
+# A prewarm holding the rollout is watched through its fill Jobs' and nodes' events: the poll behind them
+# backs off, RECONCILE_INTERVAL doubling up to this.
+PREWARM_BACKOFF_MAX_S = float(os.environ.get("FERRY_PREWARM_BACKOFF_MAX_S", "30"))
 # The kopf index that holds each workload kind's facts (the handlers below).
 WORKLOAD_INDEXES = {WorkloadKind.DEPLOYMENT.value: "deployments", WorkloadKind.STATEFUL_SET.value: "statefulsets",
                     WorkloadKind.LEADER_WORKER_SET.value: "leaderworkersets"}
@@ -105,6 +112,8 @@ def make_executor() -> Executor:
             progress_interval=os.environ.get("FERRY_WORKER_PROGRESS_INTERVAL", ""),
             # "" or unset: derived per step from the claim's size (jobs.prepare_deadline).
             active_deadline_seconds=parse_deadline(os.environ.get("FERRY_WORKER_ACTIVE_DEADLINE_SECONDS", "")),
+            fill_deadline_seconds=parse_deadline(os.environ.get("FERRY_FILL_DEADLINE_SECONDS", ""), "FERRY_FILL_DEADLINE_SECONDS",
+                                                 "nodeCache.fillDeadlineSeconds") or 4 * 3600,
             allow_instance_credentials=os.environ.get("FERRY_WORKER_ALLOW_INSTANCE_CREDENTIALS", "").lower() == "true",
         ))
     if kind == "local":
@@ -121,18 +130,18 @@ EXECUTOR: Executor | None = None
 APPS: Any = None  # kubernetes.client.AppsV1Api
 RBAC: Any = None  # kubernetes.client.RbacAuthorizationV1Api
 CUSTOM: Any = None  # kubernetes.client.CustomObjectsApi
-CORE: Any = None  # kubernetes.client.CoreV1Api (nodes a node cache prewarm selects)
 POLICIES: PolicyGuard | None = None  # Ferry's admission policies, enforced (checked before acting)
 WAKEUPS = Wakeups()
 # Reconciles are sync (the API client, forks): they run here, not on the event loop.
 POOL: ThreadPoolExecutor | None = None
 WRITERS: ThreadPoolExecutor | None = None  # status writes
 _reporters: set[tuple[str, str]] = set()  # (namespace, ServiceAccount) bound to the reporter role
+_held: dict[tuple[str, str], int] = {}  # (namespace, name) -> reconciles in a row that a prewarm held
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global EXECUTOR, APPS, RBAC, CUSTOM, CORE, POOL, WRITERS, POLICIES
+    global EXECUTOR, APPS, RBAC, CUSTOM, POOL, WRITERS, POLICIES
     import kubernetes
 
     try:
@@ -148,7 +157,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     APPS = kubernetes.client.AppsV1Api()
     RBAC = kubernetes.client.RbacAuthorizationV1Api()
     CUSTOM = kubernetes.client.CustomObjectsApi()
-    CORE = kubernetes.client.CoreV1Api()
     POLICIES = PolicyGuard(kubernetes.client.AdmissionregistrationV1Api(), policy_names())
     EXECUTOR = make_executor()
     if hasattr(EXECUTOR, "on_exit"):
@@ -235,6 +243,22 @@ async def cache_nodes(name: str, labels: Any, **_: Any) -> dict[str, dict[str, s
     """The nodes whose node cache agent keeps their cache labels, with those labels: which hold which
     artifact (status.cache), and why one left."""
     return {name: _cache_labels(labels)}
+
+
+@kopf.index("", "v1", "nodes")
+async def all_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
+    """Every Node's name, labels and taints, from the watch of nodes: which nodes a prewarm selects and
+    which a wired pod may use (placement.py), with no LIST per reconcile."""
+    return {name: node_facts(body)}
+
+
+def _node_snapshot(index: Any, body: Mapping[str, Any]) -> dict[str, NodeFacts]:
+    """name -> NodeFacts from the all_nodes index, for an object with serving.nodeCache on (on the event
+    loop, which updates the index: the reconcile thread gets a snapshot)."""
+    cache = ((body.get("spec") or {}).get("serving") or {}).get("nodeCache") or {}
+    if index is None or not cache.get("enabled"):
+        return {}
+    return {name: facts for name, store in index.items() for facts in store}
 
 
 # Wake-ups: the watch events of what a ModelWeights depends on. On the event
@@ -327,7 +351,10 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     for key in ("observedGeneration", "phase", "conditions", "progress", "artifact", "previousArtifacts", "retry",
                 "lastHandledRequestedAt", "loaded", "cache"):
         if key in new and new[key] != before.get(key):
-            patch[key] = new[key]
+            old = before.get(key)
+            # A merge patch merges maps: a field the operator no longer sets (e.g. forged `experts`) is nulled.
+            gone = {k: None for k in old if k not in new[key]} if isinstance(old, dict) and isinstance(new[key], dict) else {}
+            patch[key] = {**gone, **new[key]} if gone else new[key]
     for key in ("progress", "retry", "loaded", "cache"):  # cleared: null removes it (merge patch)
         if key in before and key not in new:
             patch[key] = None
@@ -369,7 +396,8 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
     wake = WAKEUPS.register(key)
     loop = asyncio.get_running_loop()
     indexes = {k: kwargs.get(k) for k in ("deployments", "statefulsets", "leaderworkersets", "serving_pods",
-                                          "prepare_jobs", "prepare_pods", "wirings", "fill_jobs", "cache_nodes")}
+                                          "prepare_jobs", "prepare_pods", "wirings", "fill_jobs", "cache_nodes",
+                                          "all_nodes")}
     patched: dict[str, Any] | None = None
     failures = 0
     try:
@@ -380,7 +408,8 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
             current = _newer(dict(body), patched)
             # A copied context: kopf.event() finds kopf's posting queue through it. The nodes' labels are
             # read here, on the loop that updates them: the reconcile thread iterates a snapshot.
-            seen = {**indexes, "cache_nodes": _cache_node_labels(indexes.get("cache_nodes"))}
+            seen = {**indexes, "cache_nodes": _cache_node_labels(indexes.get("cache_nodes")),
+                    "nodes": _node_snapshot(indexes.get("all_nodes"), current)}
             call = functools.partial(reconcile_once, current, namespace, name, uid, seen)
             try:
                 outcome = await loop.run_in_executor(POOL, contextvars.copy_context().run, call)
@@ -401,6 +430,7 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
                 await sleep(asyncio.Event(), stopped, WAKE_COALESCE_S)
     finally:
         WAKEUPS.unregister(key, wake)
+        _held.pop(key, None)
 
 
 def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
@@ -415,7 +445,7 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
         workload_indexes = {kind: indexes.get(index) for kind, index in WORKLOAD_INDEXES.items()}
         result, patch, delay = _reconcile_and_report(body, namespace, name, uid, workload_indexes,
                                                      indexes.get("serving_pods"), indexes.get("wirings"),
-                                                     indexes.get("cache_nodes"))
+                                                     indexes.get("cache_nodes"), indexes.get("nodes"))
         WAKEUPS.record((namespace, name), _inputs(body), _wired_keys(body.get("spec")))
     finally:
         metrics.RECONCILES.labels(result).inc()
@@ -423,10 +453,13 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
     return Reconciled(delay, patch)
 
 
-def _next_look(requeue_after: float | None, acted: bool) -> float:
-    """Seconds until the reconciler looks again unless an event wakes it first."""
+def _next_look(requeue_after: float | None, acted: bool, held: int = 0) -> float:
+    """Seconds until the reconciler looks again unless an event wakes it first. `held`: how many reconciles
+    in a row a prewarm held the rollout (their fill Jobs' and nodes' events wake it: the poll backs off)."""
     if acted:
         return WAKE_COALESCE_S  # what it did may need a next step no event announces
+    if requeue_after is not None and held:
+        return min(PREWARM_BACKOFF_MAX_S, RECONCILE_INTERVAL * 2 ** min(held - 1, 16))
     return RESYNC_INTERVAL if requeue_after is None else RECONCILE_INTERVAL
 
 
@@ -443,8 +476,8 @@ def _write_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str,
 
 def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: str,
                           workload_indexes: dict[str, Any] | None, pod_index: Any = None,
-                          wiring_index: Any = None,
-                          node_labels: dict[str, dict[str, str]] | None = None) -> tuple[str, dict[str, Any], float]:
+                          wiring_index: Any = None, node_labels: dict[str, dict[str, str]] | None = None,
+                          nodes: dict[str, NodeFacts] | None = None) -> tuple[str, dict[str, Any], float]:
     """(result for the metrics, the status merge patch, seconds until the next look)."""
     assert EXECUTOR is not None
     raw_status = dict(body.get("status") or {})
@@ -460,8 +493,8 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
     result = "ok"
     try:
         status, requeue_after = _reconcile(mw, namespace, name, uid, steps, actions, workload_indexes, pod_index,
-                                           wiring_index, node_labels)
-        delay = _next_look(requeue_after, bool(actions))
+                                           wiring_index, node_labels, nodes)
+        delay = _next_look(requeue_after, bool(actions), _held.get((namespace, name), 0))
     except ApiException as exc:
         if exc.status != 403:  # logged and retried by the reconciler
             raise
@@ -510,16 +543,19 @@ def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact],
                workload_indexes: dict[str, Any] | None = None, pod_index: Any = None,
-               wiring_index: Any = None,
-               node_labels: dict[str, dict[str, str]] | None = None) -> tuple[ModelWeightsStatus, float | None]:
+               wiring_index: Any = None, node_labels: dict[str, dict[str, str]] | None = None,
+               nodes: dict[str, NodeFacts] | None = None) -> tuple[ModelWeightsStatus, float | None]:
     """Observe, plan, act; the status the planner computed and when to look
     again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
     targets = mw.spec.serving.workloads() if mw.spec.serving else []
-    recorded = recorded_artifact(mw, steps, EXECUTOR.artifact_uri(mw, steps[-1]) if steps else None)
+    # The executor's own record of the last step's validated result: the only source of the artifact's
+    # size and MoE facts (a status write could forge them; they size fills and shape serving patches).
+    verified = EXECUTOR.artifact(mw, steps[-1]) if steps else None
+    recorded = recorded_artifact(mw, steps, EXECUTOR.artifact_uri(mw, steps[-1]) if steps else None, verified)
     if recorded is not None:
-        # The status is the source of truth once it records the artifact: the
-        # executor is not asked again (its Jobs may have expired).
+        # The status says which artifact is done once it records it: the steps are
+        # not observed again (their Jobs may have expired).
         step_states = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
     else:
         step_states = {s.id: EXECUTOR.observe(mw, s) for s in steps}
@@ -527,16 +563,20 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
                  for t in targets}
     observed = Observed(
         steps=step_states,
-        artifact=recorded or (EXECUTOR.artifact(mw, steps[-1]) if steps else None),
+        artifact=recorded or verified,
         workloads=workloads,
         requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
         pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
         owners=workload_owners(mw, workloads, wiring_index),
         fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
-        prewarm_nodes=prewarm_nodes(mw),
+        prewarm_nodes=prewarm_nodes(mw, nodes or {}),
         cache_nodes=dict(node_labels or {}),
+        nodes=dict(nodes or {}),
+        node_agent=NODE_AGENT,
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
+    # Held with nothing to do: each such reconcile in a row doubles the poll (an action starts it afresh).
+    _held[(namespace, name)] = _held.get((namespace, name), 0) + 1 if result.held and not result.actions else 0
     digest = result.status.cache.digest if result.status.cache else ""
     WAKEUPS.reads_labels((namespace, name), frozenset({cache_label(digest), cache_evicted_label(digest)})
                          if digest else frozenset())
@@ -564,7 +604,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             EXECUTOR.remove_artifact(mw, uid, action.artifact)
         elif isinstance(action, FillNode):
             log.info("%s/%s: filling the node cache on %s (round %d)", namespace, name, action.node, action.round)
-            EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round)
+            EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round, action.placement)
         elif isinstance(action, RemoveFill):
             EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
         elif isinstance(action, PatchWorkload):
@@ -576,14 +616,12 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
     return result.status, result.requeue_after
 
 
-def prewarm_nodes(mw: ModelWeights) -> list[str]:
-    """The nodes serving.nodeCache.prewarm.nodeSelector selects (a label-selected list: names only)."""
+def prewarm_nodes(mw: ModelWeights, nodes: dict[str, NodeFacts]) -> list[str]:
+    """The nodes serving.nodeCache.prewarm.nodeSelector selects, from the node index (no API call)."""
     cache = mw.spec.serving.node_cache if mw.spec.serving else None
-    if cache is None or not cache.enabled or cache.prewarm is None or CORE is None:
+    if cache is None or not cache.enabled or cache.prewarm is None:
         return []
-    selector = ",".join(f"{k}={v}" for k, v in sorted(cache.prewarm.node_selector.items()))
-    listed = json.loads(CORE.list_node(label_selector=selector, _preload_content=False).data)
-    return sorted(n["metadata"]["name"] for n in listed.get("items") or [])
+    return selected(nodes, cache.prewarm.node_selector)
 
 
 class PoliciesNotEnforced(Exception):

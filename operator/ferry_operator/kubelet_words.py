@@ -17,6 +17,8 @@ REGISTRY_REFUSED = re.compile(
 )
 # CreateContainerConfigError's message for a reference that does not exist.
 MISSING_REFERENCE = re.compile(r'^(secret|configmap) "([^"]+)" not found$')
+# ... and for a required secretKeyRef whose Secret lacks the key (kubelet_pods.go).
+MISSING_SECRET_KEY = re.compile(r"^couldn't find key (\S+) in Secret [^/\s]+/(\S+)$")
 # The kubelet's waiting reasons of a failed image pull that it retries.
 PULL_RETRIED = ("ErrImagePull", "ImagePullBackOff", "RegistryUnavailable", "SignatureValidationFailed",
                 "ImageInspectError")

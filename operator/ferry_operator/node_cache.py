@@ -25,13 +25,19 @@ Such a node gets a new round LABEL_LAG after its last one if a pod waits
 there or the prewarm selects it (a prewarm node that lost the entry would
 otherwise hold the rollout for good); a node whose labels say it holds the
 entry gets no first round.
+
+Where fills may go (placement.py): only to a node that one of the wired workloads' own pod templates may
+use (its nodeSelector, required node affinity and tolerations), and each fill Job carries that template's
+placement. A node no template may use gets no fill; `CachePlan.refused` says why, by node.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from .api.types import Artifact, ModelWeightsSpec, NodeCacheEviction, NodeCacheStatus
+from .placement import NodeFacts, Placement, refusal
 from .serving import cache_evicted_label, cache_label
 from .weights_loaded import PodFacts
 
@@ -60,6 +66,11 @@ class FillNode:
     node: str
     artifact: Artifact
     round: int = 0
+    placement: Placement = field(default_factory=Placement)  # the wired template's, which admits `node`
+
+
+# (what, its placement): a wired pod template, e.g. ("deployment x's pod template", ...)
+Template = tuple[str, Placement]
 
 
 @dataclass(frozen=True)
@@ -77,13 +88,16 @@ class CachePlan:
     status: NodeCacheStatus | None = None
     hold: str | None = None  # why the Deployments must not be patched yet (prewarm.wait)
     notes: list[str] = field(default_factory=list)  # what the Reconciling message should say
+    refused: dict[str, str] = field(default_factory=dict)  # node -> why no wired pod, so no fill, may go there
 
 
 def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts], pods: list[PodFacts],
                prewarm_nodes: list[str], at: datetime, labelled: dict[str, dict[str, str]] | None = None,
-               previous: NodeCacheStatus | None = None) -> CachePlan:
+               previous: NodeCacheStatus | None = None, nodes: Mapping[str, NodeFacts] | None = None,
+               templates: list[Template] = ()) -> CachePlan:
     """`labelled`: node -> its cache.ferry.dev/ labels, for the nodes whose agent keeps them;
-    `previous`: status.cache as it was."""
+    `previous`: status.cache as it was; `nodes`: the facts of the nodes named here (a node without them
+    gets no fill); `templates`: the wired pod templates, whose placement decides where fills may go."""
     digest = artifact.manifest_digest or ""
     labelled = labelled or {}
     latest: dict[str, FillFacts] = {}
@@ -96,10 +110,16 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
     filling: set[str] = set()
     for node in sorted(set(prewarm_nodes) | set(waiting) | set(latest)):
         fill = latest.get(node)
+        placement = place(node, (nodes or {}).get(node), templates)
+        if isinstance(placement, str):
+            out.refused[node] = placement
+            if fill is not None and fill.phase == "Running":
+                out.actions.append(RemoveFill(node, fill.digest, fill.round))
+            continue
         held = labelled[node].get(label) == "true" if node in labelled else None
         again = _next_round(node, fill, waiting, at, out.notes, held, node in waiting or node in prewarm_nodes)
         if again is not None:
-            out.actions.append(FillNode(node, artifact, again))
+            out.actions.append(FillNode(node, artifact, again, placement))
         if again is not None or (fill is not None and not fill.confirmed and fill.phase != "Failed"):
             filling.add(node)
     warm = sorted({n for n, labels in labelled.items() if labels.get(label) == "true"}
@@ -109,8 +129,32 @@ def cache_plan(spec: ModelWeightsSpec, artifact: Artifact, fills: list[FillFacts
     out.status = NodeCacheStatus(digest=digest, warm_nodes=len(warm), filling_nodes=len(filling),
                                  nodes=warm[:64], summary=summary,
                                  evictions=_evictions(digest, labelled, warm, previous, pods, at))
-    out.hold = _prewarm_hold(spec, prewarm_nodes, warm, latest)
+    out.hold = _prewarm_hold(spec, [n for n in prewarm_nodes if n not in out.refused], warm, latest)
     return out
+
+
+def place(node: str, facts: NodeFacts | None, templates: list[Template]) -> Placement | str:
+    """The placement of the first wired template whose pods may run on `node`; else why none may."""
+    if facts is None:
+        return "the operator's node index does not hold it (deleted, or not seen yet)"
+    if not templates:
+        return "no wired workload's pod template was read, so nothing says its pods may go there"
+    reasons = []
+    for whose, placement in templates:
+        why = refusal(facts, placement, whose)
+        if why is None:
+            return placement
+        reasons.append(why)
+    return "; ".join(reasons)
+
+
+def refusal_notes(refused: Mapping[str, str], most: int = 3) -> list[str]:
+    """The refused nodes in words for the status, the first `most` of them by name."""
+    names = sorted(refused)
+    notes = [f"node {n}: {refused[n]}" for n in names[:most]]
+    if len(names) > most:
+        notes.append(f"and {len(names) - most} more nodes no wired pod may use")
+    return notes
 
 
 def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime], at: datetime,
@@ -120,6 +164,8 @@ def _next_round(node: str, fill: FillFacts | None, waiting: dict[str, datetime],
     if fill is None:
         return None if held else 0  # a node that holds it already (another object's fill) needs none
     if fill.phase == "Running":
+        if fill.message:  # e.g. its pod not scheduled: say so instead of holding silently until its deadline
+            notes.append(f"the node cache fill on {node} waits: {fill.message}")
         return None
     if fill.phase == "Failed":
         notes.append(f"the node cache fill on {node} failed: {fill.message or 'no reason given'}")

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
                         Progress, ServingTarget, StepRetry, WorkloadKind)
 from .conditions import get_condition, now, phase_of, set_condition
-from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, cache_plan
+from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, Template, cache_plan, refusal_notes
+from .placement import NodeFacts
 from .serving import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
 from .serving_loader import LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
@@ -80,6 +81,10 @@ class Observed:
     # serving.nodeCache.prewarm.nodeSelector selects.
     fills: list[FillFacts] | None = None
     prewarm_nodes: list[str] = field(default_factory=list)
+    # The Nodes the operator's node index holds (labels, taints), by name: where fills may go.
+    nodes: dict[str, NodeFacts] = field(default_factory=dict)
+    # Whether the cluster runs Ferry's node agent (the chart's nodeCache.enabled): without it, no fill.
+    node_agent: bool = False
     # The nodes whose node agent keeps their cache labels: node -> its cache.ferry.dev/ labels.
     cache_nodes: dict[str, dict[str, str]] = field(default_factory=dict)
 
@@ -136,19 +141,32 @@ class Plan:
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
+    # A prewarm holds the rollout, or a node no wired pod may use waits for a fix: fill Jobs, nodes and the
+    # spec send events, so the handlers may look less often.
+    held: bool = False
 
 
-def recorded_artifact(mw: ModelWeights, steps: list[Step], expected_uri: str | None) -> ArtifactFacts | None:
+def recorded_artifact(mw: ModelWeights, steps: list[Step], expected_uri: str | None,
+                      verified: ArtifactFacts | None = None) -> ArtifactFacts | None:
     """The artifact the status already records for this spec, if any: then every
     step is done, and the Jobs, pods or worker state that said so may be gone.
     Only where the executor itself writes this spec's artifact (`expected_uri`):
     a record pointing anywhere else (a status patched by hand or by a forged
-    report) is not this object's artifact, and the steps are observed afresh."""
+    report) is not this object's artifact, and the steps are observed afresh.
+
+    The status says which artifact; how big and how cut come from `verified` (the
+    executor's own record of the last step's validated result) whenever it has one, as
+    it does while the last step's Job is kept. Without one (an operator restarted after
+    that Job and its pods went), the status's facts, which act on nothing but this
+    object's own: the node agent holds a fill to the bytes it declares and charges them
+    to the fill's namespace, and the expert facts shape only this object's flags."""
     art = mw.status.artifact if mw.status else None
     if not steps or art is None or art.spec_digest != steps[-1].digest or not art.manifest_digest:
         return None
     if art.uri != expected_uri:
         return None
+    if verified is not None and verified.uri == art.uri:
+        return verified
     return ArtifactFacts(uri=art.uri, total_bytes=art.total_bytes, manifest_digest=art.manifest_digest,
                          experts=art.experts, expert_parallel=art.expert_parallel, target=art.target)
 
@@ -350,12 +368,14 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
     gated = bool(targets) and loader_applies(mw.spec, facts, loader)
     actions: list = []
     waiting: list[str] = []
+    held = False
     cache = _node_cache(mw, observed, facts, draft)
     if isinstance(cache, Plan):
         return cache
     if cache is not None:
         actions += cache.actions
         waiting += cache.notes
+        held = bool(cache.refused)
     for target in targets:
         current = observed.workloads.get(target.key)
         if current is None:
@@ -372,6 +392,7 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
         if patch is not None and cache is not None and cache.hold:
             waiting.append(f"{target.describe()} waits: {cache.hold}")
+            held = True
         elif patch is not None:
             actions.append(patch)
             waiting.append(f"{target.describe()} patched")
@@ -403,7 +424,9 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         if trouble is not None:
             waiting.append(trouble.message)
             reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
-        return draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
+        out = draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
+        out.held = held
+        return out
     return _ready(mw, facts, draft, keep_previous)
 
 
@@ -445,13 +468,43 @@ def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _D
         return draft.stalled("NodeCacheUnavailable", "serving.nodeCache needs the kubernetes executor (the chart) "
                              "and its node agent (nodeCache.enabled): the local executor has no nodes to cache "
                              "on; remove serving.nodeCache", facts, ConditionType.SERVING_UPDATED)
+    if not observed.node_agent:
+        return draft.stalled("NodeCacheUnavailable", "serving.nodeCache: Ferry was installed without its node "
+                             "agent (the chart's nodeCache.enabled is false), so no node can hold the artifact "
+                             "and no fill Job is made; ask the cluster admin to enable it, or remove "
+                             "serving.nodeCache", facts, ConditionType.SERVING_UPDATED)
     cache = cache_plan(mw.spec, facts, observed.fills, observed.pods, observed.prewarm_nodes, draft.at,
-                       labelled=observed.cache_nodes, previous=mw.status.cache if mw.status else None)
+                       labelled=observed.cache_nodes, previous=mw.status.cache if mw.status else None,
+                       nodes=observed.nodes, templates=_templates(mw, observed))
     prewarm = mw.spec.serving.node_cache.prewarm
     if prewarm is not None and not observed.prewarm_nodes:
         cache.notes.append(f"no node matches serving.nodeCache.prewarm.nodeSelector {prewarm.node_selector}")
+    refused = refusal_notes(cache.refused)
+    if prewarm is not None and observed.prewarm_nodes and set(observed.prewarm_nodes) <= set(cache.refused):
+        message = (f"serving.nodeCache.prewarm.nodeSelector {prewarm.node_selector} selects only nodes the "
+                   f"serving pods may not use, so no fill Job is made: {'; '.join(refused)}; select nodes of the "
+                   f"workload's own pool, or give its pod template the toleration, nodeSelector or affinity "
+                   f"for them")
+        stalled = draft.stalled("PrewarmNodesRefused", message, facts, ConditionType.SERVING_UPDATED)
+        stalled.actions = [a for a in cache.actions if isinstance(a, RemoveFill)]  # fills running there go
+        return stalled
+    cache.notes += [f"no fill on {r}" for r in refused]
     draft.status.cache = cache.status
     return cache
+
+
+def _templates(mw: ModelWeights, observed: Observed) -> list[Template]:
+    """The wired pod templates that were read, in the spec's order, with what they are called."""
+    out: list[Template] = []
+    for target in mw.spec.serving.workloads() if mw.spec.serving else []:
+        current = observed.workloads.get(target.key)
+        if current is None:
+            continue
+        which = "workerTemplate" if current.leader is not None else "pod template"
+        out.append((f"{target.describe()}'s {which}", current.placement))
+        if current.leader is not None:
+            out.append((f"{target.describe()}'s leaderTemplate", current.leader.placement))
+    return out
 
 
 def _serving_trouble(observed: Observed, facts: Artifact, targets: list[ServingTarget]) -> PodTrouble | None:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .api.types import Artifact, FormatType, ModelWeightsSpec
+from .placement import Placement, placement_of
 from .serving_loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
                              health_probe, loader_container, local_volume, token_volume, unwired_gates, wired_gates)
 from .steps import pre_cut, s3_store_env
@@ -59,6 +60,8 @@ class WorkloadFacts:
     leader: WorkloadFacts | None = None  # a LeaderWorkerSet's leaderTemplate, when it has one
     service_name: str = ""  # a StatefulSet's governing Service: its pods' DNS names
     resource_version: str = ""  # as read: an LWS's patch is refused if it changed since
+    # Its own tolerations, nodeSelector and required node affinity: where its pods, and so its fill Jobs, may go.
+    placement: Placement = field(default_factory=Placement)
 
 
 GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
@@ -113,6 +116,7 @@ def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> W
                              for k in v if k != "name"), ""),
         preferred_nodes=list(((pod.get("affinity") or {}).get("nodeAffinity") or {})
                              .get("preferredDuringSchedulingIgnoredDuringExecution") or []),
+        placement=placement_of(pod),
         **{"rolled_out": False, **workload},
     )
 

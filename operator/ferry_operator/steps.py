@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
-from .api.types import Format, FormatType, ModelWeightsSpec, S3Storage, SecretRef
+from .api.types import SECRET_KEYS, Format, FormatType, ModelWeightsSpec, S3Storage, SecretRef
 
 
 class UnsupportedSpec(Exception):
@@ -100,16 +100,24 @@ def fetch_argv(spec: ModelWeightsSpec, output: str) -> tuple[str, ...]:
     return tuple(argv)
 
 
+def secret_key_env(kind: str, secret: SecretRef) -> list[dict]:
+    """The keys SECRET_KEYS[kind] of `secret` as container env: one secretKeyRef entry each (never a
+    secret value, never the Secret whole: envFrom would set any variable the Secret names)."""
+    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key, "optional": not required}}}
+            for key, required in SECRET_KEYS[kind].items()]
+
+
+def source_kind(uri: str) -> str:
+    """The SECRET_KEYS kind of a source URI ("hf", "s3", "pvc"; "" for one no Job reads)."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    return scheme if scheme in SECRET_KEYS and scheme != "store" else ""
+
+
 def s3_store_env(s3: S3Storage | None, secret: SecretRef | None) -> list[dict]:
     """A store's endpoint, region and credentials as container env: secretKeyRef
     entries (never a secret value), and env rather than envFrom, which merges by
     name in a strategic-merge patch."""
-    env: list[dict] = []
-    if secret is not None:
-        for key, optional in (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False),
-                              ("AWS_SESSION_TOKEN", True)):
-            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key,
-                                                                    "optional": optional}}})
+    env: list[dict] = secret_key_env("store", secret) if secret is not None else []
     if s3 is not None and s3.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL", "value": s3.endpoint})
     if s3 is not None and s3.region:

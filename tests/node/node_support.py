@@ -108,9 +108,10 @@ def operator_pod(kube: Kube, namespace: str) -> dict:
     return pod
 
 
-def s3_secret(kube: Kube, namespace: str, name: str, s3: S3Server) -> None:
-    """The credentials Secret a ModelWeights references (its keys become the worker's env)."""
-    env = s3.env()
+def s3_secret(kube: Kube, namespace: str, name: str, s3: S3Server, extra: dict[str, str] | None = None) -> None:
+    """The credentials Secret a ModelWeights references (the keys of api.types.SECRET_KEYS["s3"] reach the
+    worker by name; `extra` keys are in the Secret too, and reach nothing)."""
+    env = {**s3.env(), **(extra or {})}
     kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace},
                 "stringData": env})
 

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +32,8 @@ from ferry_worker.cache.store import cache_key
 from ferry_worker.load.selection import select
 from ferry_worker.manifest import manifest_digest, read_manifest
 from ferry_worker.shard.job import ShardJob
-from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, claim_dir, modelweights, mw_status, pods_of,
-                          s3_secret, standin_deployment, unique, upload_dir, wait_ready)
+from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, claim_dir, condition, modelweights, mw_status,
+                          pods_of, s3_secret, standin_deployment, unique, upload_dir, wait_ready, wait_stalled)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 DRIVER = "cache.ferry.dev"
@@ -423,6 +424,48 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
                      timeout=120)
+
+
+def test_a_prewarm_of_another_teams_tainted_node_places_no_pod_there_and_stalls(node, chart_operator, node_s3,
+                                                                                checkpoint):
+    """A tenant's prewarm selects a node dedicated to another team (its taint team-b:NoSchedule, which her
+    Deployment's pod template does not tolerate). The operator makes no fill Job and so places no pod there,
+    leaves her Deployment unpatched, and stalls naming the node and the taint. The node is a kwok node of
+    this test's own (kwok plays its kubelet), labelled so that only it matches the selector."""
+    name = unique("teamb")
+    dedicated = f"ferry-{name}"
+    taint = {"key": "team", "value": "b", "effect": "NoSchedule"}
+    node.apply({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": dedicated, "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        "labels": {"kubernetes.io/hostname": dedicated, "type": "kwok", "ferry.dev/test-team": name}},
+        "spec": {"taints": [taint]}})
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    standin_deployment(node, name)
+    mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "safetensors"}, secret=f"{name}-s3")
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {
+        "enabled": True, "prewarm": {"nodeSelector": {"ferry.dev/test-team": name}}}}
+    node.apply(mw)
+    try:
+        stalled = wait_stalled(node, NAMESPACE, name, timeout=420)  # after the prepare step
+        assert stalled["reason"] == "PrewarmNodesRefused", stalled
+        assert (f"node {dedicated}: taint team=b:NoSchedule is not tolerated by deployment {name}'s pod "
+                f"template") in stalled["message"], stalled
+        assert condition(mw_status(node, NAMESPACE, name), "Prepared")["status"] == "True"
+        # Held a while longer: still no fill Job, no pod of the tenant's namespace on the node, no patch.
+        for _ in range(5):
+            assert fill_jobs(node, name) == []
+            on_node = node.get_json("pods", "-n", NAMESPACE, "--field-selector", f"spec.nodeName={dedicated}")
+            assert on_node["items"] == [], [p["metadata"]["name"] for p in on_node["items"]]
+            annotations = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["template"]["metadata"].get(
+                "annotations") or {}
+            assert "ferry.dev/artifact-digest" not in annotations, annotations
+            time.sleep(2)
+    finally:
+        node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
+        node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
+                     timeout=120)
+        node.kubectl("delete", "node", dedicated, "--wait=false", check=False)
 
 
 def node_labels(kube) -> dict[str, str]:

@@ -43,6 +43,24 @@ def assert_ran_for_real(kube, name: str, steps: set[str]) -> None:
         assert json.loads(term["message"])["manifestDigest"].startswith("sha256:")
 
 
+HOSTILE_KEYS = {"PYTHONPATH": "/ferry/evil", "LD_PRELOAD": "/ferry/evil/hook.so", "TENANT_NOTE": "x"}
+
+
+def assert_no_hostile_env(kube, name: str) -> None:
+    """No Job pod of `name` got a Secret key it does not use: credentials by secretKeyRef only, never
+    envFrom, so PYTHONPATH and LD_PRELOAD never reached the prepare pod (glibc would have said so on stderr
+    for a preload it could not open)."""
+    for pod in job_pods(kube, name):
+        for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+            assert "envFrom" not in c, (pod["metadata"]["name"], c["envFrom"])
+            assert not {e["name"] for e in c.get("env") or []} & set(HOSTILE_KEYS), (pod["metadata"]["name"], c["env"])
+            for e in c.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                assert ref is None or ref["key"] == e["name"], e  # each key under its own name
+        log = kube.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, check=False).stdout
+        assert "LD_PRELOAD" not in log and "ld.so" not in log, log[-2000:]
+
+
 def worker_requests(name: str) -> list[dict]:
     """The API server's audit events of writes made with the worker's
     ServiceAccount token from a pod address, for this ModelWeights' steps."""
@@ -109,11 +127,13 @@ def test_operator_runs_in_a_pod_under_the_charts_service_account(node, chart_ope
 def test_ready_through_real_jobs_from_s3(node, chart_operator, node_s3, checkpoint, fmt, steps):
     name = unique(fmt["type"].replace("_", "-"))
     upload_dir(node_s3, name, "tiny-llama", checkpoint)
-    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    # A tenant's Secret with keys that would run her code in the prepare pod, were it imported whole (envFrom).
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3, extra=HOSTILE_KEYS)
     node.apply(modelweights(name, f"s3://{name}/tiny-llama", fmt, secret=f"{name}-s3"))
     status = wait_ready(node, NAMESPACE, name)
 
     assert_ran_for_real(node, name, steps)
+    assert_no_hostile_env(node, name)
     # Progress went where a worker may write: a condition of its own pod (the
     # operator copies it into status.progress); never the ModelWeights itself.
     events = worker_requests(name)

@@ -2,12 +2,15 @@
 bind mounts (root), as the kubelet calls it: a fill pod's slot adopted only
 after the agent's own verification, entries shared read-only, a flipped byte
 refused with the file named, a symlink planted by a fill pod never followed,
+a manifest a fill pod wrote naming a host file refused by name (issue 29),
 one fill per entry, a full cache refused with the reason, and a restarted
 agent finishing what ended while it was down. The kubelet itself and the
 Pod Security side are proven on the real node (tests/node/test_node_cache_on_node.py)."""
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -173,6 +176,25 @@ def test_a_fill_pod_cannot_lead_the_agent_to_a_host_file(agent, artifacts, tmp_p
     st = secret.stat()
     assert (st.st_uid, st.st_mode & 0o777, secret.read_text()) == (1234, 0o600, "root only")
     assert all(p.stat().st_uid == 0 and not p.stat().st_mode & 0o222 for p in entry.iterdir())
+
+
+def test_a_fill_pods_manifest_cannot_lead_the_agent_out_of_its_slot(agent, artifacts, tmp_path, caplog):
+    """The measured attack (issue 29): a fill pod asks for the digest of a manifest it writes itself, one
+    whose entry names a host file `..` up from the slot; adopting the slot unlinked that file. Now the
+    manifest is refused by name (manifest.py: hostile input), the slot removed, the host file intact."""
+    host_file = tmp_path / "host-file"
+    host_file.write_bytes(b"c" * 7777)
+    body = json.loads((artifacts["a0"] / MANIFEST_NAME).read_bytes())
+    body["files"].append({"path": "../../../host-file", "size": 1, "sha256": "0" * 64})
+    data = json.dumps(body).encode()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    slot = agent.publish("tenant-filler", {"digest": digest, "mode": "fill", "bytes": "100"})
+    (slot / MANIFEST_NAME).write_bytes(data)
+    agent.unpublish("tenant-filler")
+    assert host_file.read_bytes() == b"c" * 7777
+    key = cache_key(digest)
+    assert agent.store.entry(key) is None and not (agent.cache / "filling" / key).exists()
+    assert "entry '../../../host-file': path segment '..'" in caplog.text and "7777" not in caplog.text
 
 
 def test_excess_bytes_and_junk_are_not_adopted(agent, artifacts):

@@ -370,6 +370,32 @@ def test_the_cache_command_fills_lists_and_checks(tmp_path, artifacts, capsys):
     assert store.entry(key) is None
 
 
+def test_the_cache_command_refuses_a_manifest_naming_files_outside(tmp_path, artifacts, caplog):
+    """Issue 29: `ferry cache fill`, run twice on an artifact whose manifest names a file `..` outside the
+    cache (or one through a symlinked directory), removed that file on the second run. Now each run refuses the
+    manifest, naming the entry, and the file stays (its size in no message: it was never stat'ed)."""
+    from ferry_worker.cli import main
+
+    source = tmp_path / "claim"
+    shutil.copytree(artifacts["a0"], source)
+    outside = tmp_path / "host" / "file"
+    outside.parent.mkdir()
+    outside.write_bytes(b"h" * 7777)
+    root_args = ["cache", "--root", str(tmp_path / "cache"), "--eviction-hard", "0", "--margin", "0"]
+    # `..` thrice: out of the agent's staging directory (cache/filling/<key>) to the host file.
+    for path, why in (("../../../host/file", "path segment '..'"), ("link/file", "'link' is a symbolic link")):
+        body = json.loads((artifacts["a0"] / MANIFEST_NAME).read_bytes())
+        body["files"].append({"path": path, "size": 1, "sha256": "0" * 64})
+        (source / MANIFEST_NAME).write_text(json.dumps(body))
+        (source / "link").unlink(missing_ok=True)
+        (source / "link").symlink_to(outside.parent, target_is_directory=True)
+        for _ in range(2):
+            assert main([*root_args, "fill", "--source", str(source), "--digest", digest(source)]) != 0
+            assert outside.read_bytes() == b"h" * 7777
+            assert f"entry '{path}': {why}" in caplog.text and "7777" not in caplog.text, caplog.text
+            caplog.clear()
+
+
 def test_the_disk_floor_refuses_a_fill_in_the_kubelets_terms(tmp_path, artifacts):
     """Other writers on the disk count: with the watermarks far away, a fill that would leave less free
     than the kubelet's evictionHard (plus margin) evicts first, and is refused when nothing can go."""

@@ -13,6 +13,16 @@ as the release before this one wrote for rank files):
   check one large file on every core at once. Integrity is the same: the
   manifest's own digest, which the serving Deployment is wired for, covers
   the block list.
+
+A manifest is hostile input wherever it is read: a tenant can write one on
+her own claim, in a cache slot, or under her S3 prefix. Each entry's path is
+a plain relative path (paths.path_problem: no `..`, no absolute path, no
+empty or `.` segment, no backslash or control character, bounded length and
+depth), never a name Ferry reserves (the manifest's own, its temporary and
+private names), listed once, with a byte count for a size; the whole is
+bounded in bytes read, entries and total size. Files are opened beneath the
+artifact's root without following a symlink at any component (`opened`), so
+a link a tenant planted leads nowhere. A refusal names the entry and why.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,10 +40,16 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from . import __version__
+from .paths import UnsafePathError, open_beneath, open_dir_beneath, path_problem, read_beneath
 
 MANIFEST_NAME = "ferry-manifest.json"
 MANIFEST_VERSION = 1
 TMP_MARKER = ".ferry-tmp"
+FERRY_PRIVATE_PREFIX = ".ferry-"  # Ferry's own files beside an artifact's (journal, pending records)
+MAX_MANIFEST_BYTES = 64 << 20  # the manifest file itself
+MAX_ENTRIES = 100_000
+MAX_TOTAL_BYTES = 1 << 50  # 1 PiB
+NOT_FERRYS = "the artifact was not written by ferry or was altered: prepare it again"
 HASH_CHUNK = 8 << 20
 # Block digests (sharded_state rank files): `ferry load` verifies one large
 # file on several cores at once, block by block, instead of one sequential sha256.
@@ -44,6 +61,31 @@ class IntegrityError(Exception):
 
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def reserved_name(path: str) -> bool:
+    """A name Ferry keeps for its own files (the manifest, temporary and private names): never an entry."""
+    return path == MANIFEST_NAME or any(
+        part.startswith(FERRY_PRIVATE_PREFIX) or TMP_MARKER in part for part in path.split("/"))
+
+
+def refused(path: object, why: str) -> IntegrityError:
+    """The refusal of a manifest entry: which (its path, shortened), why, and what to do."""
+    shown = repr(path)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    return IntegrityError(f"{MANIFEST_NAME} entry {shown}: {why}; {NOT_FERRYS}")
+
+
+def entry_problem(path: object, size: object) -> str | None:
+    """Why (path, size) cannot be a manifest entry, or None."""
+    problem = path_problem(path)
+    if problem:
+        return problem
+    if reserved_name(path):
+        return "a name Ferry reserves for its own files"
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_TOTAL_BYTES:
+        return f"size {size!r} is not a byte count (an integer from 0 to {MAX_TOTAL_BYTES})"
+    return None
 
 
 def block_count(size: int) -> int:
@@ -60,6 +102,9 @@ class FileEntry:
     blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        problem = entry_problem(self.path, self.size)
+        if problem:
+            raise refused(self.path, problem)
         if not self.sha256 and not self.blocks:
             raise IntegrityError(f"{self.path}: the manifest records neither a sha256 nor block digests for it")
         for digest in ([self.sha256] if self.sha256 else []) + list(self.blocks):
@@ -79,16 +124,19 @@ class FileEntry:
 
     @classmethod
     def from_dict(cls, body: dict, block_size: object) -> "FileEntry":
-        path = body.get("path")
-        if not isinstance(path, str) or not isinstance(body.get("size"), int):
-            raise IntegrityError(f"manifest file entry {json.dumps(body)[:200]}: needs a path and an integer size")
-        sha256, blocks = body.get("sha256"), tuple(body.get("blocks") or ())
+        if not isinstance(body, dict):
+            raise refused(body, "not an object with a path and a size")
+        path, size, sha256, blocks = body.get("path"), body.get("size"), body.get("sha256"), body.get("blocks") or ()
+        problem = entry_problem(path, size) or (None if isinstance(blocks, list | tuple) else "blocks is not a list")
+        if problem:
+            raise refused(path, problem)
+        blocks = tuple(blocks)
         if blocks and block_size != BLOCK_SIZE:
             if not sha256:
                 raise IntegrityError(f"{path}: only block digests in the manifest, of blockSize {block_size!r}; "
                                      f"this release checks blocks of {BLOCK_SIZE} bytes")
             blocks = ()  # another block size: the whole-file sha256 still checks it
-        return cls(path, body["size"], sha256, blocks)
+        return cls(path, size, sha256, blocks)
 
 
 class BlockHasher:
@@ -169,6 +217,24 @@ class Manifest:
     # Format-specific facts (e.g. tensorParallelSize, vllmVersion for sharded_state).
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """The whole is bounded, and each path is one file: listed once, never also a directory of another."""
+        if len(self.files) > MAX_ENTRIES:
+            raise IntegrityError(f"{MANIFEST_NAME}: {len(self.files)} entries, more than {MAX_ENTRIES}; {NOT_FERRYS}")
+        paths: set[str] = set()
+        for f in self.files:
+            if f.path in paths:
+                raise refused(f.path, "listed twice")
+            paths.add(f.path)
+        for f in self.files:
+            parts = f.path.split("/")
+            for depth in range(1, len(parts)):
+                if "/".join(parts[:depth]) in paths:
+                    raise refused(f.path, f"{'/'.join(parts[:depth])!r} is listed as a file too")
+        if self.total_bytes > MAX_TOTAL_BYTES:
+            raise IntegrityError(f"{MANIFEST_NAME}: {self.total_bytes} bytes in all, more than {MAX_TOTAL_BYTES}; "
+                                 f"{NOT_FERRYS}")
+
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
@@ -191,28 +257,74 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
-        body = json.loads(data)
+        """Parse a manifest as hostile input: IntegrityError, naming the entry and why, for anything Ferry
+        would not have written."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise IntegrityError(f"{MANIFEST_NAME}: {len(data)} bytes, more than {MAX_MANIFEST_BYTES}; {NOT_FERRYS}")
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise IntegrityError(f"{MANIFEST_NAME}: not JSON ({str(e)[:200]}); {NOT_FERRYS}") from None
+        if not isinstance(body, dict):
+            raise IntegrityError(f"{MANIFEST_NAME}: not a JSON object; {NOT_FERRYS}")
         if body.get("manifestVersion") != MANIFEST_VERSION:
             raise IntegrityError(f"unsupported manifest version {body.get('manifestVersion')!r}")
+        files, extra = body.get("files"), body.get("extra", {})
+        if not isinstance(files, list) or not isinstance(extra, dict):
+            raise IntegrityError(f"{MANIFEST_NAME}: its files are not a list or its extra not an object; {NOT_FERRYS}")
+        if len(files) > MAX_ENTRIES:
+            raise IntegrityError(f"{MANIFEST_NAME}: {len(files)} entries, more than {MAX_ENTRIES}; {NOT_FERRYS}")
         return cls(
-            files=[FileEntry.from_dict(f, body.get("blockSize")) for f in body["files"]],
+            files=[FileEntry.from_dict(f, body.get("blockSize")) for f in files],
             source=body.get("source", ""),
             revision=body.get("revision"),
             format=body.get("format", "safetensors"),
             tool=body.get("tool", ""),
             created_at=body.get("createdAt", ""),
-            extra=body.get("extra", {}),
+            extra=extra,
         )
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path | int) -> str:
+    """sha256 of a file, by path or of an open fd (read from its start; the fd stays open)."""
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
         buf = bytearray(HASH_CHUNK)
         view = memoryview(buf)
-        while n := f.readinto(buf):
+        offset = 0
+        while n := os.preadv(f.fileno(), [buf], offset):
             h.update(view[:n])  # hashlib releases the GIL on large buffers
+            offset += n
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def opened(directory: Path, path: str) -> Iterator[int]:
+    """A read fd of the regular file an entry's `path` names under `directory`, reached without following a
+    symlink at any component (paths.open_beneath): IntegrityError naming the entry when it is missing,
+    behind a symlink or not a regular file. Nothing outside `directory` is opened or stat'ed."""
+    try:
+        fd = open_beneath(directory, path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a fifo must not block
+    except (FileNotFoundError, NotADirectoryError):
+        raise IntegrityError(f"{path}: missing") from None
+    except UnsafePathError as e:
+        raise refused(path, str(e)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused(path, "not a regular file")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def check_sizes(directory: Path, entries) -> None:
+    """Each entry present under `directory` (opened) with its manifest size: cheap, before any byte is read,
+    so a missing or truncated file is named at once."""
+    for entry in entries:
+        with opened(directory, entry.path) as fd:
+            size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise IntegrityError(f"{entry.path}: size {size} != {entry.size} in manifest")
 
 
 def fsync_dir(path: Path) -> None:
@@ -234,32 +346,52 @@ def partial_name(final: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_file(final: Path, mode: str = "wb") -> Iterator[IO]:
+def atomic_file(final: Path, mode: str = "wb", *, beneath: Path | None = None) -> Iterator[IO]:
     """Write `final` via a temporary sibling: fsync, rename, fsync the directory.
 
-    On an exception the temporary file is removed and `final` is untouched.
+    On an exception the temporary file is removed and `final` is untouched. The temporary file is never
+    opened through a symlink. With `beneath` (a directory above `final` that others write too: a cache slot,
+    a copy's root), each directory between the two is made or opened without following a symlink.
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_name(final)
-    f = open(tmp, mode)
+    if beneath is None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    else:
+        beneath.mkdir(parents=True, exist_ok=True)  # the caller's own: followed as given
+        relative = final.parent.relative_to(beneath).as_posix()
+        parent = open_dir_beneath(beneath, "" if relative == "." else relative, make_dirs=True)
+    tmp = tmp_name(final).name
     try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except BaseException:
-        f.close()
-        tmp.unlink(missing_ok=True)
-        raise
+        flags = (os.O_RDWR if "+" in mode else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        f = os.fdopen(os.open(tmp, flags, 0o666, dir_fd=parent), mode)
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, final.name, src_dir_fd=parent, dst_dir_fd=parent)
+            os.fsync(parent)
+        except BaseException:
+            f.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=parent)
+            raise
+    finally:
+        os.close(parent)
+
+
+def read_manifest_bytes(directory: Path, name: str = MANIFEST_NAME) -> bytes | None:
+    """The manifest file's bytes (None when absent), never read through a symlink nor past
+    MAX_MANIFEST_BYTES: IntegrityError naming it."""
+    try:
+        return read_beneath(directory, name, MAX_MANIFEST_BYTES)
+    except UnsafePathError as e:
+        raise IntegrityError(f"{directory}: {e}; {NOT_FERRYS}") from None
 
 
 def read_manifest(directory: Path) -> Manifest | None:
-    path = directory / MANIFEST_NAME
-    if not path.exists():
-        return None
-    return Manifest.from_json(path.read_bytes())
+    data = read_manifest_bytes(directory)
+    return None if data is None else Manifest.from_json(data)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> str:
@@ -271,7 +403,10 @@ def write_manifest(directory: Path, manifest: Manifest) -> str:
 
 
 def manifest_digest(directory: Path) -> str:
-    return "sha256:" + hashlib.sha256((directory / MANIFEST_NAME).read_bytes()).hexdigest()
+    data = read_manifest_bytes(directory)
+    if data is None:
+        raise IntegrityError(f"{directory}: no {MANIFEST_NAME} (incomplete or not prepared by ferry)")
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def verify(directory: Path, workers: int = 4) -> Manifest:
@@ -280,18 +415,12 @@ def verify(directory: Path, workers: int = 4) -> Manifest:
     if manifest is None:
         raise IntegrityError(f"{directory}: no {MANIFEST_NAME} (incomplete or not prepared by ferry)")
     entries = sorted(manifest.files, key=lambda e: e.path)
-    # Cheap checks first, so a missing or truncated file is reported without hashing everything.
-    for entry in entries:
-        path = directory / entry.path
-        if not path.is_file():
-            raise IntegrityError(f"{entry.path}: missing")
-        if path.stat().st_size != entry.size:
-            raise IntegrityError(f"{entry.path}: size {path.stat().st_size} != {entry.size} in manifest")
+    check_sizes(directory, entries)  # cheap checks first: a missing or truncated file named without hashing
     # One task per block where blocks are recorded (one large file then hashes on every worker), else per file.
     tasks = [(e, i) for e in entries for i in (range(len(e.blocks)) if e.blocks else [None])]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         try:
-            for _ in pool.map(lambda task: check_part(directory / task[0].path, *task), tasks):
+            for _ in pool.map(lambda task: check_part(directory, *task), tasks):
                 pass
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -299,23 +428,28 @@ def verify(directory: Path, workers: int = 4) -> Manifest:
     return manifest
 
 
-def check_part(path: Path, entry: FileEntry, block: int | None) -> None:
-    """Block `block` of a file against its digest, or (None) the whole file against its sha256."""
-    if block is None:
-        digest = sha256_file(path)
-        if digest != entry.sha256:
-            raise IntegrityError(f"{entry.path}: sha256 {digest} != {entry.sha256} in manifest")
-        return
+def check_part(directory: Path, entry: FileEntry, block: int | None) -> None:
+    """Block `block` of an entry's file under `directory` against its digest, or (None) the whole file
+    against its sha256."""
+    with opened(directory, entry.path) as fd:
+        if block is None:
+            digest = sha256_file(fd)
+            if digest != entry.sha256:
+                raise IntegrityError(f"{entry.path}: sha256 {digest} != {entry.sha256} in manifest")
+            return
+        _check_block(fd, entry, block)
+
+
+def _check_block(fd: int, entry: FileEntry, block: int) -> None:
     h = hashlib.sha256()
     start, end = block * BLOCK_SIZE, min(entry.size, (block + 1) * BLOCK_SIZE)
-    with open(path, "rb", buffering=0) as f:
-        buf = memoryview(bytearray(min(HASH_CHUNK, BLOCK_SIZE)))
-        offset = start
-        while offset < end:
-            n = os.preadv(f.fileno(), [buf[:min(len(buf), end - offset)]], offset)
-            if n == 0:
-                raise IntegrityError(f"{entry.path}: ended at byte {offset}, the manifest says {entry.size}")
-            h.update(buf[:n])
-            offset += n
+    buf = memoryview(bytearray(min(HASH_CHUNK, BLOCK_SIZE)))
+    offset = start
+    while offset < end:
+        n = os.preadv(fd, [buf[:min(len(buf), end - offset)]], offset)
+        if n == 0:
+            raise IntegrityError(f"{entry.path}: ended at byte {offset}, the manifest says {entry.size}")
+        h.update(buf[:n])
+        offset += n
     if h.hexdigest() != entry.blocks[block]:
         raise block_mismatch(entry, block, h.hexdigest())

@@ -76,10 +76,11 @@ class SafetensorsHeader:
     metadata: dict[str, str]
 
 
-def validate_safetensors(path: Path, *, name: str | None = None) -> SafetensorsHeader:
-    """Parse and check the header of `path`; raise UnsafeSafetensorsError naming the problem."""
+def validate_safetensors(path: Path | int, *, name: str | None = None) -> SafetensorsHeader:
+    """Parse and check the header of `path` (or of an open fd, read from its current offset and left open);
+    raise UnsafeSafetensorsError naming the problem."""
     label = name or str(path)
-    with open(path, "rb") as f:
+    with open(path, "rb", closefd=not isinstance(path, int)) as f:
         file_size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:

@@ -51,6 +51,36 @@ class SecretRef(Model):
     name: ResourceName = Field(description="Name of the Secret.")
 
 
+# --- credentials ---------------------------------------------------------------
+
+# The keys of a credentials Secret that reach a worker, per kind of store, each as its own env entry
+# (secretKeyRef; True: required, so a missing Secret or key stops the pod with a message the operator
+# reports). Every other key of the Secret is ignored: a Secret is never imported whole (envFrom), so a
+# key named PYTHONPATH or LD_PRELOAD sets nothing. One table: the Jobs, the CRD's descriptions and
+# docs/api.md follow it.
+S3_CREDENTIAL_KEYS = {"AWS_ACCESS_KEY_ID": True, "AWS_SECRET_ACCESS_KEY": True, "AWS_SESSION_TOKEN": False}
+# A source's way out of a cluster: its proxy (for its own traffic, with its own credentials).
+PROXY_KEYS = {"HTTPS_PROXY": False, "HTTP_PROXY": False, "NO_PROXY": False}
+SECRET_KEYS: dict[str, dict[str, bool]] = {
+    # huggingface_hub's token, and its endpoint (a mirror or proxy) and CA bundle.
+    "hf": {"HF_TOKEN": True, "HF_ENDPOINT": False, "REQUESTS_CA_BUNDLE": False, **PROXY_KEYS},
+    # An s3:// source has no endpoint or region field: they may come from its Secret.
+    "s3": {**S3_CREDENTIAL_KEYS, "AWS_ENDPOINT_URL": False, "AWS_ENDPOINT_URL_S3": False, "AWS_REGION": False,
+           "AWS_DEFAULT_REGION": False, "AWS_CA_BUNDLE": False, **PROXY_KEYS},
+    "pvc": {},
+    # storage.s3: its endpoint and region are fields of its own.
+    "store": dict(S3_CREDENTIAL_KEYS),
+}
+
+
+def secret_keys_text(kind: str) -> str:
+    """The keys of SECRET_KEYS[kind] for humans: "A, B (optional: C)"."""
+    keys = SECRET_KEYS[kind]
+    required = ", ".join(k for k, needed in keys.items() if needed)
+    optional = ", ".join(k for k, needed in keys.items() if not needed)
+    return f"{required} (optional: {optional})" if optional else required
+
+
 # --- source -------------------------------------------------------------------
 
 SOURCE_URI_RULES = [
@@ -104,8 +134,9 @@ class Source(Model):
     credentials_secret_ref: SecretRef | None = Field(
         None,
         description=(
-            "Secret whose keys become the fetch step's environment: HF_TOKEN for the Hub, "
-            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optional AWS_SESSION_TOKEN) for S3."
+            f"Secret with the source's credentials. The fetch step gets these keys only, each by name: "
+            f"{secret_keys_text('hf')} for hf://; {secret_keys_text('s3')} for s3://. "
+            "Any other key is ignored (never imported into a pod's environment)."
         ),
     )
     allow_patterns: list[GlobPattern] = Field(
@@ -225,7 +256,8 @@ class S3Storage(Model):
         return v if v is None else enforce(ENDPOINT_RULES, v)
     region: str | None = Field(None, max_length=64, pattern=r"^[a-z0-9-]+$", description="Bucket region.")
     credentials_secret_ref: SecretRef | None = Field(
-        None, description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for this store."
+        None, description=f"Secret with this store's credentials: the keys {secret_keys_text('store')}, each by "
+                          "name; any other key is ignored."
     )
 
 

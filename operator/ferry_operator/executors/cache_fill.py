@@ -1,6 +1,7 @@
 """Fill Jobs of the node cache (serving.nodeCache), built as plain dicts. Pure.
 
-One Job per node and manifest digest, pinned to the node (nodeName), in the
+One Job per node and manifest digest, pinned to the node (a required node affinity on its name, with the
+wired pod template's own tolerations, nodeSelector and required affinity: _place), in the
 ModelWeights' namespace under the worker's ServiceAccount: it reads the
 artifact with the worker's rights, never the agent's (the claim, mounted
 read-only; or the storage.s3 prefix, with the ModelWeights' S3 credentials
@@ -22,9 +23,11 @@ from typing import Any
 
 from ..api.types import Artifact, ModelWeights
 from ..locations import dns_name, identity
+from ..placement import Placement, pinned_affinity
 from ..serving import CACHE_DRIVER, s3_env
 from .jobs import (LABEL_MW, LABEL_STEP, RESULT_FILE, SOURCE_MOUNT, WORKER_CONTAINER, WorkerSettings,
-                   _container_security, _pod_spec, owner_reference, pod_failure_policy, prepare_deadline)
+                   _container_security, _pod_spec, instance_credentials_env, owner_reference, pod_failure_policy,
+                   prepare_deadline, unique_env)
 
 FILL_STEP = "cache-fill"
 NODE_ANNOTATION = "ferry.dev/node"
@@ -41,7 +44,8 @@ def fill_job_name(mw: ModelWeights, node: str, digest: str, round_: int) -> str:
 
 
 def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact, round_: int,
-                      settings: WorkerSettings) -> dict[str, Any]:
+                      settings: WorkerSettings, placement: Placement | None = None) -> dict[str, Any]:
+    """`placement`: the wired pod template's, which the planner found admits `node` (placement.py)."""
     if not (artifact.uri.startswith(("pvc://", "s3://")) and artifact.manifest_digest):
         raise ValueError(f"the node cache fills from an artifact with a manifest on a claim or in S3, "
                          f"not {artifact.uri}")
@@ -49,7 +53,8 @@ def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact,
     volumes = [{"name": "cache-slot", "csi": {"driver": CACHE_DRIVER, "volumeAttributes": {
         "digest": digest, "mode": "fill", "bytes": str(artifact.total_bytes)}}}]
     mounts = [{"name": "cache-slot", "mountPath": SLOT_MOUNT}]
-    env = [{"name": "FERRY_RESULT_FILE", "value": RESULT_FILE}]
+    # Ferry's own entries first: unique_env keeps the first of a name.
+    env = [{"name": "FERRY_RESULT_FILE", "value": RESULT_FILE}, *instance_credentials_env(settings)]
     if artifact.uri.startswith("pvc://"):
         claim, _, path = artifact.uri.removeprefix("pvc://").partition("/")
         source = f"{SOURCE_MOUNT}/{path}".rstrip("/")
@@ -57,7 +62,7 @@ def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact,
         mounts.append({"name": "source", "mountPath": SOURCE_MOUNT, "readOnly": True})
     else:
         source = artifact.uri.rstrip("/")
-        env += s3_env(mw.spec)
+        env = unique_env(env, s3_env(mw.spec))
     container = {
         "name": WORKER_CONTAINER, "image": settings.image, "command": ["ferry"],
         "args": ["cache", "fill-slot", "--slot", SLOT_MOUNT, "--source", source, "--digest", digest],
@@ -69,10 +74,7 @@ def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact,
         "securityContext": _container_security(),
     }
     pod = _pod_spec(settings, [container], volumes, token=False, claim=False)
-    pod.pop("nodeSelector", None)  # the node is chosen: a selector it does not match would be refused
-    pod["nodeName"] = node
-    # It must run where the serving pods run, GPU nodes with their taints included.
-    pod["tolerations"] = [{"operator": "Exists"}]
+    _place(pod, node, placement or Placement())
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: FILL_STEP}
     return {
         "apiVersion": "batch/v1", "kind": "Job",
@@ -81,11 +83,30 @@ def fill_job_manifest(mw: ModelWeights, uid: str, node: str, artifact: Artifact,
                      "ownerReferences": [owner_reference(mw, uid)]},
         "spec": {
             "backoffLimit": FILL_BACKOFF_LIMIT,
-            "activeDeadlineSeconds": prepare_deadline(mw, settings),
+            # Capped: a tenant's storage.pvc.size must not keep a fill (and its reserved room) for years.
+            "activeDeadlineSeconds": min(prepare_deadline(mw, settings), settings.fill_deadline_seconds),
             "podFailurePolicy": pod_failure_policy(),
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },
     }
+
+
+def _place(pod: dict[str, Any], node: str, placement: Placement) -> None:
+    """Where the fill pod may run: exactly where a pod of the wired template may, on `node` only. The
+    chart's worker nodeSelector and tolerations (for prepare Jobs) give way to the template's own, and
+    there is no toleration of every taint. The pin is a required node affinity on the node's name
+    (matchFields metadata.name, as DaemonSets pin), not `nodeName`: `nodeName` skips the scheduler, and
+    the kubelet checks no NoSchedule taint, so a mistake in placement.py would land the pod anyway; with
+    the affinity the scheduler checks the template's taints, nodeSelector and required affinity once more
+    and leaves a pod it may not place Pending, with its reason in the pod's events."""
+    pod.pop("nodeSelector", None)
+    pod.pop("tolerations", None)
+    pod.pop("nodeName", None)
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        pod["tolerations"] = [dict(t) for t in placement.tolerations]
+    pod["affinity"] = pinned_affinity(placement, node)
 
 
 def fill_facts(job: dict[str, Any], pods: list[dict[str, Any]]):
@@ -105,11 +126,23 @@ def fill_facts(job: dict[str, Any], pods: list[dict[str, Any]]):
     elif "Failed" in conditions:
         phase = "Failed"
         message = _last_words(pods) or conditions["Failed"].get("message") or conditions["Failed"].get("reason", "")
+    else:
+        message = _unscheduled(pods)
     ended = status.get("completionTime") or (conditions.get("Failed") or {}).get("lastTransitionTime")
     return FillFacts(node=annotations.get(NODE_ANNOTATION, ""), digest=annotations.get(DIGEST_ANNOTATION, ""),
                      round=int(annotations.get(ROUND_ANNOTATION) or 0), confirmed=confirmed, phase=phase,
                      job=meta.get("name", ""), finished_at=datetime.fromisoformat(ended.replace("Z", "+00:00")) if ended else None,
                      message=message[-512:])
+
+
+def _unscheduled(pods: list[dict[str, Any]]) -> str:
+    """A running fill's pod the scheduler has not placed, in the scheduler's words ("" if none)."""
+    for pod in pods:
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                return (f"pod {(pod.get('metadata') or {}).get('name', '?')} is not scheduled: "
+                        f"{c.get('reason', '')} {c.get('message', '')}".strip())
+    return ""
 
 
 def _termination(pod: dict[str, Any]) -> str:

@@ -36,9 +36,9 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
 
-from ..kubelet_words import MAX_LINE, MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, last_line
+from ..kubelet_words import MAX_LINE, MISSING_REFERENCE, MISSING_SECRET_KEY, PULL_RETRIED, REGISTRY_REFUSED, last_line
 from ..planner import MAX_PROGRESS_REPORT_BYTES, StepPhase, StepState
-from .jobs import LABEL_MW, LABEL_STEP, WORKER_CONTAINER, MalformedResult, StepResult, parse_result
+from .jobs import LABEL_MW, LABEL_STEP, S3_WRITING_STEPS, WORKER_CONTAINER, MalformedResult, StepResult, parse_result
 from .redact import redact
 
 # Reasons (condition reasons: CamelCase).
@@ -82,6 +82,7 @@ RESULT_GRACE = timedelta(seconds=10)
 # The pod volumes jobs.py mounts, by the spec field that names their claim.
 CLAIM_FIELDS = {"weights": "spec.storage.pvc", "source": "spec.source.uri"}
 SECRET_FIELD = "spec.source.credentialsSecretRef"
+STORE_SECRET_FIELD = "spec.storage.s3.credentialsSecretRef"
 IMAGE_VALUES = "the chart's worker.image value (default: image.repository:image.tag)"
 NODE_VALUES = "the chart's worker.nodeSelector, worker.tolerations and worker.resources values"
 DEADLINE_VALUE = "the chart's worker.activeDeadlineSeconds value (FERRY_WORKER_ACTIVE_DEADLINE_SECONDS)"
@@ -409,8 +410,26 @@ def _container_problem(job: Mapping[str, Any], pod: Mapping[str, Any], now: date
     return None
 
 
+def _secret_fields(job: Mapping[str, Any]) -> dict[str, str]:
+    """Secret name -> the spec field that names it, for the Secrets whose keys the Job's containers take
+    (secretKeyRef: jobs.py imports no Secret whole). A step that writes to storage.s3 takes the store's."""
+    step = (_meta(job).get("labels") or {}).get(LABEL_STEP)
+    field = STORE_SECRET_FIELD if step in S3_WRITING_STEPS else SECRET_FIELD
+    return {e["valueFrom"]["secretKeyRef"]["name"]: field
+            for c in _pod_template(job).get("containers") or [] for e in c.get("env") or []
+            if (e.get("valueFrom") or {}).get("secretKeyRef")}
+
+
 def _config_error(job: Mapping[str, Any], pod: Mapping[str, Any], text: str) -> StepState:
     ns, name = _meta(pod).get("namespace"), _meta(pod).get("name")
+    fields = _secret_fields(job)
+    no_key = MISSING_SECRET_KEY.match(text)
+    if no_key is not None:
+        key, secret = no_key.groups()
+        field = fields.get(secret, f"the Secret referenced by pod {ns}/{name}")
+        return StepState(StepPhase.FAILED, reason=SECRET_NOT_FOUND, message=(
+            f"Secret {ns}/{secret} ({field}) has no key {key}, which Ferry passes to the worker by name "
+            f"(other keys are ignored); add it to the Secret, or fix {field} (kubelet: {text})"))
     found = MISSING_REFERENCE.match(text)
     if found is None:
         # e.g. "failed to sync secret cache: timed out waiting for the condition": the kubelet retries.
@@ -420,13 +439,11 @@ def _config_error(job: Mapping[str, Any], pod: Mapping[str, Any], text: str) -> 
     if kind == "configmap":
         return StepState(StepPhase.FAILED, reason=CONTAINER_CONFIG_ERROR, message=(
             f"ConfigMap {ns}/{missing} referenced by pod {ns}/{name} does not exist (kubelet: {text})"))
-    refs = []
-    for c in _pod_template(job).get("containers") or []:
-        refs += [e["secretRef"]["name"] for e in c.get("envFrom") or [] if e.get("secretRef")]
-    if missing in refs:
+    if missing in fields:
+        field = fields[missing]
         return StepState(StepPhase.FAILED, reason=SECRET_NOT_FOUND, message=(
-            f"Secret {ns}/{missing} ({SECRET_FIELD}) does not exist: create it in namespace {ns}, "
-            f"or fix {SECRET_FIELD} (kubelet: {text})"))
+            f"Secret {ns}/{missing} ({field}) does not exist: create it in namespace {ns}, "
+            f"or fix {field} (kubelet: {text})"))
     return StepState(StepPhase.FAILED, reason=SECRET_NOT_FOUND, message=(
         f"Secret {ns}/{missing} referenced by pod {ns}/{name} does not exist (kubelet: {text})"))
 

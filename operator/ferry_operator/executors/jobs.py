@@ -16,7 +16,7 @@ from kubernetes.utils import parse_quantity
 
 from ..api.types import API_VERSION, KIND, MAX_EXPERTS, GpuTarget, ModelWeights
 from ..locations import claim_name, digest_dir, dns_name, identity, s3_artifact_uri, step_paths
-from ..steps import Step, s3_store_env
+from ..steps import Step, s3_store_env, secret_key_env, source_kind
 from .redact import redact
 
 WEIGHTS_MOUNT = "/weights"
@@ -66,6 +66,9 @@ class WorkerSettings:
     active_deadline_seconds: int | None = None
     # Let Jobs fall back to the node's instance credentials (EC2 metadata) for S3; off: they never do.
     allow_instance_credentials: bool = False
+    # A fill Job's deadline, whatever the artifact's size: the node agent holds its slot's room no longer
+    # (the chart's nodeCache.fillDeadlineSeconds).
+    fill_deadline_seconds: int = 4 * 3600
 
 
 def storage_s3_env(mw: ModelWeights) -> list[dict[str, Any]]:
@@ -119,14 +122,15 @@ def unsupported_source(mw: ModelWeights) -> str | None:
             "use pvc://, s3:// or hf://")
 
 
-def parse_deadline(text: str) -> int | None:
-    """FERRY_WORKER_ACTIVE_DEADLINE_SECONDS: "" for derived deadlines, else a positive whole number of seconds."""
+def parse_deadline(text: str, name: str = "FERRY_WORKER_ACTIVE_DEADLINE_SECONDS",
+                   value: str = "worker.activeDeadlineSeconds") -> int | None:
+    """A deadline variable (FERRY_WORKER_ACTIVE_DEADLINE_SECONDS): "" for the default, else a positive whole
+    number of seconds."""
     if not text.strip():
         return None
     if not text.strip().isdecimal() or int(text) <= 0:
-        raise SystemExit(f"FERRY_WORKER_ACTIVE_DEADLINE_SECONDS={text!r}: a positive whole number of seconds, "
-                         "or empty for deadlines derived from each claim's size "
-                         "(the chart's worker.activeDeadlineSeconds)")
+        raise SystemExit(f"{name}={text!r}: a positive whole number of seconds, or empty for the default "
+                         f"(the chart's {value})")
     return int(text)
 
 
@@ -142,8 +146,9 @@ def prepare_deadline(mw: ModelWeights, settings: WorkerSettings) -> int:
 
 def instance_credentials_env(settings: WorkerSettings) -> list[dict[str, Any]]:
     """Keep the AWS SDKs off the node's instance metadata (a node role's credentials), unless the chart
-    allows it. In every Job's container, whether or not this step talks to S3: one rule to audit. An
-    explicit env entry wins over envFrom, so a source Secret cannot switch it back on."""
+    allows it. In every Job's container, whether or not this step talks to S3: one rule to audit. No Job
+    takes envFrom and no Secret key of that name is passed (SECRET_KEYS), so a Secret cannot switch it
+    back on."""
     return [] if settings.allow_instance_credentials else [{"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}]
 
 
@@ -194,9 +199,28 @@ def _step_volumes(mw: ModelWeights, step: Step) -> tuple[list[dict[str, Any]], l
     return volumes, mounts, source
 
 
-def _step_env(mw: ModelWeights, step: Step,
-              settings: WorkerSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(env, envFrom) of a step's worker: storage.s3's credentials for the steps that write there, else the source's."""
+def source_env(mw: ModelWeights) -> list[dict[str, Any]]:
+    """The source's credentials for the step that reads the source (fetch): the keys its kind uses
+    (api.types.SECRET_KEYS), each by secretKeyRef; the Secret's other keys are ignored."""
+    secret = mw.spec.source.credentials_secret_ref
+    kind = source_kind(mw.spec.source.uri)
+    return secret_key_env(kind, secret) if secret is not None and kind else []
+
+
+def unique_env(*parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Env entries in order, the first of each name kept: Ferry's own entries come first and win."""
+    seen: set[str] = set()
+    out = []
+    for entry in (e for part in parts for e in part):
+        if entry["name"] not in seen:
+            seen.add(entry["name"])
+            out.append(entry)
+    return out
+
+
+def _step_env(mw: ModelWeights, step: Step, settings: WorkerSettings) -> list[dict[str, Any]]:
+    """A step's worker env: storage.s3's credentials for the steps that write there, the source's for the
+    fetch, none for the others. No envFrom: a Secret reaches a pod only key by key."""
     env = [
         # The worker reports progress as a condition of its own pod (the only write it may make).
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -208,10 +232,8 @@ def _step_env(mw: ModelWeights, step: Step,
     if settings.progress_interval:
         env.append({"name": "FERRY_PROGRESS_INTERVAL", "value": settings.progress_interval})
     if step.name in S3_WRITING_STEPS:
-        return env + storage_s3_env(mw), []
-    if mw.spec.source.credentials_secret_ref is not None:
-        return env, [{"secretRef": {"name": mw.spec.source.credentials_secret_ref.name}}]
-    return env, []
+        return unique_env(env, storage_s3_env(mw))
+    return unique_env(env, source_env(mw) if step.name == "fetch" else [])
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -235,7 +257,7 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
     if artifact is not None:
         paths["artifact"] = artifact
     volumes, mounts, source = _step_volumes(mw, step)
-    env, env_from = _step_env(mw, step, settings)
+    env = _step_env(mw, step, settings)
     container = {
         "name": WORKER_CONTAINER,
         "image": (settings.tensorize_image or settings.image) if step.name == "tensorize" else settings.image,
@@ -249,8 +271,6 @@ def job_manifest(mw: ModelWeights, step: Step, uid: str, settings: WorkerSetting
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
-    if env_from:
-        container["envFrom"] = env_from
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: step.name}
     return {
         "apiVersion": "batch/v1",

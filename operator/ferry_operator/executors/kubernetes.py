@@ -26,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
 from ..locations import claim_artifact_uri, claim_name, ferry_s3_artifacts, is_ferry_s3_artifact
+from ..placement import Placement
 from ..steps import Step, prepare_steps
 from . import cache_fill, diagnosis, jobs
 
@@ -70,6 +71,9 @@ class KubernetesExecutor:
         self.rbac = client.RbacAuthorizationV1Api()
         self.storage = client.StorageV1Api()
         self._identities: set[str] = set()
+        # (object uid, last step id) -> its validated result: the operator's own record of the artifact's
+        # size and MoE facts, kept past the Job (the status is not trusted for them).
+        self._results: dict[tuple[str, str], ArtifactFacts] = {}
 
     def _ensure_identity(self, ns: str) -> None:
         if ns not in self._identities:
@@ -145,10 +149,11 @@ class KubernetesExecutor:
             return [cache_fill.fill_facts(j, self.view.pods(ns, j["metadata"]["name"])) for j in owned]
         return [cache_fill.fill_facts(j, []) for j in owned]
 
-    def fill(self, mw: ModelWeights, uid: str, node: str, artifact: Artifact, round_: int) -> None:
+    def fill(self, mw: ModelWeights, uid: str, node: str, artifact: Artifact, round_: int,
+             placement: Placement | None = None) -> None:
         self._ensure_identity(mw.metadata.namespace)
         _create(self.batch.create_namespaced_job, mw.metadata.namespace,
-                cache_fill.fill_job_manifest(mw, uid, node, artifact, round_, self.settings))
+                cache_fill.fill_job_manifest(mw, uid, node, artifact, round_, self.settings, placement))
 
     def remove_fill(self, mw: ModelWeights, node: str, digest: str, round_: int) -> None:
         try:
@@ -192,6 +197,8 @@ class KubernetesExecutor:
     def remove_artifact(self, mw: ModelWeights, uid: str, artifact: Artifact) -> None:
         """A superseded artifact: its Jobs go, and a cleanup Job removes its data from the claim."""
         ns, digest = mw.metadata.namespace, artifact.spec_digest
+        for key in [k for k in self._results if k[0] == mw.metadata.uid and k[1].endswith(f"-{digest}")]:
+            del self._results[key]  # its record goes with it: the same spec again prepares afresh
         listed = _read(self.batch.list_namespaced_job, ns, label_selector=f"{jobs.LABEL_MW}={mw.metadata.name}")
         for job in (listed or {}).get("items") or []:
             if ((job["metadata"].get("annotations") or {}).get("ferry.dev/step-id") or "").endswith(f"-{digest}"):
@@ -217,12 +224,14 @@ class KubernetesExecutor:
                     jobs.s3_delete_job_manifest(mw, artifact.uri, self.settings))
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
-        """The artifact is recorded in the status: its Jobs may go (TTL controller),
-        and so may the fetched original its later steps read (staging)."""
+        """The artifact is recorded in the status: the Jobs of its earlier steps may go (TTL controller),
+        and so may the fetched original its later steps read (staging). The last step's Job stays while its
+        artifact is current (remove_artifact takes it with the artifact): its pod's validated result, not the
+        status, is where the artifact's size and MoE facts come from after a restart."""
         if len(steps) > 1:  # the fetch wrote to staging, not to the artifact
             _create(self.batch.create_namespaced_job, mw.metadata.namespace,
                     jobs.staging_cleanup_job_manifest(mw, steps[-1].digest, mw.metadata.uid or "", self.settings))
-        for step in steps:
+        for step in steps[:-1]:  # the last step's Job stays: its pod's result is the record of the artifact
             try:
                 self.batch.patch_namespaced_job(jobs.job_name(mw, step), mw.metadata.namespace,
                                                 {"spec": {"ttlSecondsAfterFinished": jobs.FINISHED_JOB_TTL_S}})
@@ -235,15 +244,33 @@ class KubernetesExecutor:
         return claim_artifact_uri(mw, last.digest)
 
     def artifact(self, mw: ModelWeights, last: Step) -> ArtifactFacts | None:
-        """The last step's result, from its Job's own pods only (observe reports a malformed one)."""
+        """The last step's result, from its Job's own pods only (observe reports a malformed one), and only
+        from pods created before the Job completed: one planted later (its owner reference forged) is no
+        worker of it. Read once, then from this executor's record of it: the Job may expire, and a pod
+        created after the record changes nothing."""
+        key = (mw.metadata.uid or "", last.id)
+        if key in self._results:
+            return self._results[key]
         job = self._job(mw, last)
         if job is None or self._not_ours(mw, job) is not None:
             return None
         try:
-            result = diagnosis.step_result(job, self._pods(mw, last))
+            result = diagnosis.step_result(job, _before_completion(job, self._pods(mw, last)))
         except jobs.MalformedResult:
             return None
-        return None if result is None else ArtifactFacts(
+        if result is None:
+            return None
+        facts = ArtifactFacts(
             uri=claim_artifact_uri(mw, last.digest), total_bytes=result.total_bytes,
             manifest_digest=result.manifest_digest, experts=result.experts,
             expert_parallel=result.expert_parallel, target=result.target)
+        self._results[key] = facts
+        return facts
+
+
+def _before_completion(job: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods created no later than the Job's completion (all of them while it runs)."""
+    done = (job.get("status") or {}).get("completionTime")
+    if not done:
+        return pods
+    return [p for p in pods if (p.get("metadata") or {}).get("creationTimestamp", "") <= done]

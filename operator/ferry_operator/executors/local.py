@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from ..api.types import Artifact, ModelWeights
+from ..api.types import SECRET_KEYS, Artifact, ModelWeights
 from ..planner import MAX_PROGRESS_REPORT_BYTES, ArtifactFacts, StepPhase, StepState
 from ..locations import ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
 from .jobs import MalformedResult, parse_moe_facts, parse_result
@@ -151,8 +151,7 @@ class LocalExecutor:
             env["AWS_DEFAULT_REGION"] = s3.region
         if s3.credentials_secret_ref is not None:
             data = _secret(mw.metadata.namespace, s3.credentials_secret_ref.name)
-            env.update({k: data[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-                        if k in data})
+            env.update({k: data[k] for k in SECRET_KEYS["store"] if k in data})  # by key, never whole
         key = mw.spec.format.tensorizer.encryption_secret_ref if mw.spec.format.tensorizer else None
         if key is not None and with_key:
             value = _secret(mw.metadata.namespace, key.name).get("key")

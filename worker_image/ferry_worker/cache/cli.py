@@ -55,6 +55,12 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
     agent.add_argument("--mount-wait", type=float, default=30.0, metavar="SECONDS",
                        help="how long a serving mount waits for a fill under way before it fails "
                             "(the kubelet retries it)")
+    agent.add_argument("--namespace-share", type=size_or_share, default="0", metavar="SIZE|N%",
+                       help="what one namespace's entries and fills may hold on the node (0: no limit); a fill "
+                            "past it evicts only that namespace's idle entries, or is refused")
+    agent.add_argument("--fill-reservation", type=float, default=4 * 3600.0, metavar="SECONDS",
+                       help="how long a fill slot's declared bytes hold room (the operator's fill Job deadline "
+                            "is capped the same)")
     agent.add_argument("--reverify-after", type=float, default=3600.0, metavar="SECONDS",
                        help="a serving mount verifies every byte of the entry unless it was verified less than "
                             "this long ago and its files are unchanged since (0: at every mount; the pod's "
@@ -111,7 +117,11 @@ def _cache(args: argparse.Namespace) -> int:
     if args.action == "agent":
         from .csi.agent import serve
 
+        from .store import Fairness
+
         store.reverify_after = args.reverify_after
+        total = shutil.disk_usage(args.root).total
+        store.fairness = Fairness(resolve(args.namespace_share, total), args.fill_reservation)
         return serve(store, args.kubelet_dir, args.node_name, args.mount_wait, args.scrub_every)
     if args.action == "fill":
         print(store.fill(args.source, args.digest, args.ranks))

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..load.selection import select
-from ..manifest import MANIFEST_NAME, Manifest
+from ..manifest import Manifest, read_manifest_bytes
 from .s3_source import download_into, open_source, s3_manifest_bytes
 from .store import is_digest, source_manifest_bytes, copy_into, keep_verified
 
@@ -25,8 +25,8 @@ ALREADY_COMPLETE = "cache entry already complete"
 def fill_slot(slot: Path, source: str | Path, digest: str, ranks: list[int] | None) -> str:
     """Fill `slot` from `source` (a directory or s3://bucket/prefix); resumes what a killed fill left.
     Returns a line saying what it did."""
-    done = slot / MANIFEST_NAME
-    if not os.access(slot, os.W_OK) and done.is_file() and is_digest(done.read_bytes(), digest):
+    done = None if os.access(slot, os.W_OK) else read_manifest_bytes(slot)  # never through a symlink
+    if done is not None and is_digest(done, digest):
         return ALREADY_COMPLETE  # the agent mounted the published entry itself (read-only): nothing to fill
     source = str(source)
     store = open_source(source) if source.startswith("s3://") else None

@@ -11,7 +11,8 @@ the two, fails the pod with the file named and leaves nothing. Hashing in the
 transfer instead, through a non-seekable target that boto3 feeds in order,
 hung after ten 64 MiB parts against the local S3 server, so it is not used.
 The agent trusts none of it and verifies every byte again before it
-publishes the entry.
+publishes the entry. Each file is written beneath the slot (its directories
+made or opened without following a symlink) and removed the same way.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from ..load.reader import ReadOptions, read_files
 from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file
+from ..paths import unlink_beneath
 from ..tensorize.location import parse_location
 from ..tensorize.s3_client import S3Options
 from ..tensorize.s3_store import S3Store
@@ -57,18 +59,17 @@ def download_into(slot: Path, store: S3Store, manifest_bytes: bytes, entries) ->
     with atomic_file(slot / PENDING_MANIFEST) as f:
         f.write(manifest_bytes)
     for entry in entries:
-        dest = slot / entry.path
-        dest.parent.mkdir(parents=True, exist_ok=True)
         _check_head(store, entry, etags.get(entry.path))
         try:
-            store.client.download_file(store.location.bucket, store.location.key(entry.path), str(dest),
-                                       Config=config)
+            with atomic_file(slot / entry.path, beneath=slot) as dest:  # renamed into place once whole
+                store.client.download_fileobj(store.location.bucket, store.location.key(entry.path), dest,
+                                              Config=config)
         except Exception as exc:  # botocore's words name the endpoint, the object and the status
             raise CacheError(f"{store.uri(entry.path)}: download failed: {exc}") from exc
         try:
             read_files(slot, [entry], ReadOptions())
         except IntegrityError:
-            dest.unlink(missing_ok=True)
+            unlink_beneath(slot, entry.path)
             raise
     install_manifest(slot, manifest_bytes)
 

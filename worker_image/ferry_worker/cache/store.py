@@ -14,7 +14,8 @@ Layout under the cache root (one filesystem, so renames are atomic):
                           last; a fill killed at any point resumes from what the
                           pending manifest verifies
     holders/<key>/<id>    one empty file per pod that has the entry mounted
-    meta/<key>.json       {"bytes", "lastUsed", "pinned"}
+    meta/<key>.json       {"bytes", "lastUsed", "pinned", "namespace"}
+    slots/<key>           a fill pod's reservation: {"bytes", "namespace", "at"}
     locks/<key>.lock      flock held by the one fill of <key> (others wait for it)
 
 `<key>` is the manifest's sha256 hex, plus `.ranks-0-1` for a rank subset of a
@@ -26,6 +27,26 @@ cannot fit under the high watermark, or would leave the disk less free than
 `keep_free` (the kubelet's evictionHard plus a margin: other writers on the
 disk count too), fails with the reason instead of pushing the node into
 DiskPressure.
+
+Fair between namespaces (`Fairness`): an entry counts against the namespace
+whose fill pod brought it, a slot against its pod's namespace. A fill that
+would take its namespace past its share evicts only that namespace's idle
+entries to fit, or is refused with the numbers: it never evicts another
+namespace's entry. A slot's reservation holds room for at most
+`reservation_s` (the operator's fill Job deadline is capped the same);
+after that only the bytes the pod wrote count.
+
+A slot is written by a tenant's fill pod, so what the agent (root) finds
+there is hostile: its manifest is parsed as hostile input (manifest.py), and
+every file is opened, checked and removed beneath the slot without following
+a symlink (paths.open_beneath, unlink_beneath), so a manifest naming `..`, an
+absolute path or a path through a planted link reaches nothing outside it. The
+slot's tree itself is walked, taken over, chmod'ed, counted and removed through
+directory fds, never recursively and within bounds (slot_tree.py): a planted
+link, fifo, device node or tree thousands of levels deep leads the agent
+nowhere, and a live slot counts the blocks its files occupy (a sparse file
+cannot fill the cache's books). A slot a fill pod has reserved is not taken
+over by `fill` (`ferry cache fill`) while the reservation lasts.
 """
 from __future__ import annotations
 
@@ -36,7 +57,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,7 +65,19 @@ from typing import Callable, Iterator
 
 from ..load.reader import ReadOptions, read_files
 from ..load.selection import select
-from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file, fsync_dir
+from ..manifest import (
+    MANIFEST_NAME,
+    IntegrityError,
+    Manifest,
+    atomic_file,
+    check_sizes,
+    fsync_dir,
+    opened,
+    read_manifest,
+    read_manifest_bytes,
+)
+from ..paths import unlink_beneath
+from .slot_tree import TreeRefused, open_to, remove_tree, take_over, used_bytes
 
 OnBytes = Callable[[int], None]
 log = logging.getLogger(__name__)
@@ -76,6 +108,15 @@ class Watermarks:
             raise ValueError(f"watermarks must satisfy 0 <= low <= high, got low {self.low}, high {self.high}")
 
 
+DEFAULT_RESERVATION_S = 4 * 3600
+
+
+@dataclass(frozen=True)
+class Fairness:
+    namespace_share: int = 0  # bytes one namespace's entries and slots may hold on the node; 0: no limit
+    reservation_s: float = DEFAULT_RESERVATION_S  # how long a slot's declared bytes hold room
+
+
 def cache_key(digest: str, ranks: list[int] | None = None) -> str:
     hexdigest = digest.removeprefix("sha256:")
     if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
@@ -90,8 +131,9 @@ REMOVAL_MEMORY_S = 600.0  # how long a removal is remembered (and shown on the n
 
 class CacheStore:
     def __init__(self, root: Path, marks: Watermarks, clock: Callable[[], float] = time.time,
-                 disk_free: Callable[[], int] | None = None, reverify_after: float = 0.0):
-        self.root, self.marks, self.clock = Path(root), marks, clock
+                 disk_free: Callable[[], int] | None = None, reverify_after: float = 0.0,
+                 fairness: Fairness = Fairness()):
+        self.root, self.marks, self.clock, self.fairness = Path(root), marks, clock, fairness
         # A serving mount skips the full verification of an entry verified less than this many seconds ago
         # whose files are unchanged since (same inodes, sizes, mtimes, ctimes: a write shows); 0: every mount.
         self.reverify_after = reverify_after
@@ -100,8 +142,10 @@ class CacheStore:
         for part in ("entries", "filling", "holders", "meta", "locks", "slots", "removed"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
         for doomed in (self.root / "filling").glob(".evicted-*"):  # an eviction a crash interrupted
-            _make_removable(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            try:
+                remove_tree(doomed)
+            except OSError as e:
+                log.warning("could not remove %s, an interrupted eviction (%s): remove it by hand", doomed, e)
 
     # -- reading ---------------------------------------------------------------------------------------------
     def entry(self, key: str) -> Path | None:
@@ -121,13 +165,39 @@ class CacheStore:
         """Bytes of the complete entries and of the fills under way (a fill pod's slot counts the bytes it
         declared until it has written more: room made for one fill is not given to the next)."""
         done = sum(self._meta(k).get("bytes", 0) for k in self.keys())
-        return done + sum(max(_tree_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir())
+        return done + sum(max(used_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir())
 
     def _declared(self, key: str) -> int:
-        try:
-            return int((self.root / "slots" / key).read_text())
-        except (FileNotFoundError, ValueError):
+        """The bytes a slot reserves: what its fill pod declared, until `reservation_s` has passed."""
+        reservation = self._reservation(key)
+        if self.clock() - reservation.get("at", 0) > self.fairness.reservation_s:
             return 0
+        return reservation.get("bytes", 0)
+
+    def _reserved(self, key: str) -> bool:
+        """Whether a fill pod holds `key`'s slot: its reservation is there and `reservation_s` has not passed."""
+        reservation = self._reservation(key)
+        return bool(reservation) and self.clock() - reservation.get("at", 0) <= self.fairness.reservation_s
+
+    def _reservation(self, key: str) -> dict:
+        path = self.root / "slots" / key
+        try:
+            text, at = path.read_text(), path.stat().st_mtime
+        except FileNotFoundError:
+            return {}
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return {}
+        if isinstance(record, int):  # an agent before fairness wrote the bytes alone
+            return {"bytes": record, "namespace": "", "at": at}
+        return record if isinstance(record, dict) else {}
+
+    def namespace_usage(self, namespace: str, but: str = "") -> int:
+        """Bytes `namespace` holds on this node: the entries its fill pods brought, and its slots (but `but`)."""
+        done = sum(self._meta(k).get("bytes", 0) for k in self.keys() if self._meta(k).get("namespace") == namespace)
+        return done + sum(max(used_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir()
+                          if p.name != but and self._reservation(p.name).get("namespace") == namespace)
 
     # -- filling ---------------------------------------------------------------------------------------------
     def fill(self, source: Path, digest: str, ranks: list[int] | None = None, on_bytes: OnBytes = lambda n: None,
@@ -143,29 +213,47 @@ class CacheStore:
                 self.touch(key)
                 return ready
             manifest_bytes = source_manifest_bytes(source, digest)
-            staging = self.root / "filling" / key
-            staging.mkdir(exist_ok=True)
-            _take_over(staging)  # a slot a fill pod left: the agent's own before it reads anything there
-            wanted = select(Manifest.from_json(manifest_bytes), ranks).entries
+            if self._reserved(key):
+                raise CacheError(f"{key} has a live fill slot reservation (slots/{key}): a fill pod may still be "
+                                 f"writing there; let it finish (the agent publishes what it filled), or fill "
+                                 f"again once the reservation passes ({self.fairness.reservation_s:.0f} s after "
+                                 f"the slot was made)")
+            staging = self._taken_over(key)  # a slot a fill pod left: the agent's own before it reads anything there
+            wanted = select(Manifest.from_json(manifest_bytes), ranks).entries  # refused unless Ferry's
             missing = [e for e in wanted if e.path not in keep_verified(staging, wanted, digest)]
             self._make_room(sum(e.size for e in missing), key)
             copy_into(staging, source, manifest_bytes, missing, on_bytes, after_file)
             return self._publish(key, staging, sum(e.size for e in wanted))
 
     # -- fill pods: a slot to fill, adopted once the pod is done --------------------------------------------
-    def slot(self, key: str, nbytes: int) -> Path:
-        """The staging directory a fill pod writes `key` into (made writable for the pod's uid), with room
-        for `nbytes` made first: a fill that cannot fit is refused before a byte moves."""
+    def slot(self, key: str, nbytes: int, namespace: str = "") -> Path:
+        """The staging directory a fill pod of `namespace` writes `key` into (made writable for the pod's
+        uid), with room for `nbytes` made first, within the namespace's share: a fill that cannot fit is
+        refused before a byte moves."""
         with self._lock(key):
-            staging = self.root / "filling" / key
-            staging.mkdir(exist_ok=True)
-            self._make_room(max(0, nbytes - _tree_bytes(staging)), key)
-            _write_text(self.root / "slots" / key, str(nbytes))  # reserved until adopted or dropped
-            # The pod runs as its own (non-root) uid; what an earlier fill left is root's (taken over), so
-            # every directory is opened to the pod (its verified files stay read-only and are kept).
-            for directory in [staging, *(d for d in staging.rglob("*") if d.is_dir() and not d.is_symlink())]:
-                directory.chmod(0o777)
+            staging = self._taken_over(key)  # what an earlier fill left: root's, nothing but files and directories
+            needed = max(0, nbytes - used_bytes(staging))
+            self._fit_share(namespace, needed, key)
+            self._make_room(needed, key)
+            # Reserved until adopted or dropped, or reservation_s passed.
+            _write_json(self.root / "slots" / key, {"bytes": nbytes, "namespace": namespace, "at": self.clock()})
+            # The pod runs as its own (non-root) uid, so every directory is opened to the pod, each through its
+            # own fd (its verified files stay root's and read-only, and are kept).
+            _open_to(key, staging, 0o777)
             return staging
+
+    def _taken_over(self, key: str) -> Path:
+        """`key`'s staging directory, made if absent, else taken over (slot_tree.take_over); a tree past the
+        walk's bounds is removed and an empty one made: nothing of it is kept."""
+        staging = self.root / "filling" / key
+        staging.mkdir(exist_ok=True)
+        try:
+            take_over(staging)
+        except TreeRefused as e:
+            log.warning("removed what a fill of %s left: %s", key, e)
+            remove_tree(staging)
+            staging.mkdir()
+        return staging
 
     def adopt(self, key: str, nbytes: int) -> Path:
         """Publish what a fill pod left in its slot, trusting none of it: anything but a regular file is
@@ -179,14 +267,28 @@ class CacheStore:
             staging = self.root / "filling" / key
             if not staging.is_dir():
                 raise CacheError(f"no fill slot for {key}")
-            have = _take_over(staging)
+            try:
+                have = take_over(staging).size  # what the files claim: a sparse file is refused on its size
+            except TreeRefused as e:
+                self._drop_slot(key)
+                raise CacheError(f"the fill of {key} left {e}: removed; a fill writes only the artifact's "
+                                 f"files") from None
             digest = key.partition(".")[0]
             manifest_bytes = _slot_manifest_bytes(staging, digest)
             if manifest_bytes is None:
                 self._drop_slot(key)
                 raise CacheError(f"the fill of {key} left no manifest whose sha256 is {digest}: removed")
-            wanted = select(Manifest.from_json(manifest_bytes), _ranks_of(key)).entries
-            limit = max(nbytes, sum(e.size for e in wanted)) + len(manifest_bytes) * 2
+            try:
+                wanted = select(Manifest.from_json(manifest_bytes), _ranks_of(key)).entries
+            except IntegrityError as e:  # a manifest Ferry never writes: nothing in the slot is touched by it
+                self._drop_slot(key)
+                raise CacheError(f"the fill of {key} left a manifest Ferry refuses ({e}): removed") from None
+            listed = sum(e.size for e in wanted)
+            if listed > nbytes:  # the declared bytes are what room and the namespace's share were held for
+                self._drop_slot(key)
+                raise CacheError(f"the fill of {key} declared {nbytes} bytes and its manifest lists {listed}: "
+                                 f"removed; the fill must declare the artifact's size")
+            limit = nbytes + len(manifest_bytes) * 2
             if have > limit:
                 self._drop_slot(key)
                 raise CacheError(f"the fill of {key} left {have} bytes, more than the {limit} it declared: removed")
@@ -198,22 +300,20 @@ class CacheStore:
                 raise CacheError(f"the fill of {key} is unfinished: {len(missing)} files missing or corrupt "
                                  f"(first: {missing[0]}); the verified ones are kept for the next fill")
             install_manifest(staging, manifest_bytes)
-            return self._publish(key, staging, sum(e.size for e in wanted))
+            namespace = self._reservation(key).get("namespace", "")
+            return self._publish(key, staging, sum(e.size for e in wanted), namespace)
 
     def _drop_slot(self, key: str) -> None:
-        staging = self.root / "filling" / key
-        if staging.exists():
-            _make_removable(staging)
-            shutil.rmtree(staging)
+        with contextlib.suppress(FileNotFoundError):
+            remove_tree(self.root / "filling" / key)
         (self.root / "slots" / key).unlink(missing_ok=True)
 
-    def _publish(self, key: str, staging: Path, nbytes: int) -> Path:
-        for path in staging.rglob("*"):
-            path.chmod(0o555 if path.is_dir() else 0o444)
+    def _publish(self, key: str, staging: Path, nbytes: int, namespace: str = "") -> Path:
+        _open_to(key, staging, 0o555, 0o444, root_too=False)  # through fds: nothing followed (the root goes last)
         with contextlib.suppress(FileNotFoundError):
             (staging / PENDING_MANIFEST).unlink()
         final = self.root / "entries" / key
-        self._write_meta(key, {"bytes": nbytes, "lastUsed": self.clock(), "pinned": False})
+        self._write_meta(key, {"bytes": nbytes, "lastUsed": self.clock(), "pinned": False, "namespace": namespace})
         staging.chmod(0o555)
         os.rename(staging, final)
         fsync_dir(final.parent)
@@ -312,7 +412,9 @@ class CacheStore:
         path = self.entry(key)
         if path is None:
             raise CacheError(f"no complete cache entry {key}")
-        manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())
+        manifest = read_manifest(path)
+        if manifest is None:
+            raise IntegrityError(f"cache entry {key}: no {MANIFEST_NAME}")
         ranks = _ranks_of(key)
         # Fingerprinted before the read: a write while it reads changes what the next mount compares. A file
         # changed within SETTLE_NS of this may change again within the same timestamp tick unseen, so such
@@ -321,7 +423,7 @@ class CacheStore:
         settled = time.time_ns() - newest_change >= SETTLE_NS
         try:
             wanted = select(manifest, ranks).entries
-            _check_sizes(path, wanted)
+            check_sizes(path, wanted)
             read_files(path, wanted, ReadOptions())
         except IntegrityError:
             self._condemn(key)
@@ -423,6 +525,34 @@ class CacheStore:
                         f"could go are mounted or pinned ({', '.join(blocking[:5]) or 'none'}): raise the "
                         f"watermark or free the disk, unpin an entry, or let its pods go")
 
+    def _fit_share(self, namespace: str, needed: int, key: str) -> None:
+        """Within the namespace's share, evicting only its own idle entries (least recently used first, and
+        only if that makes it fit); else CacheFull with the numbers. Never another namespace's entry."""
+        share = self.fairness.namespace_share
+        if not share or not namespace:
+            return
+        used = self.namespace_usage(namespace, but=key)
+        if used + needed <= share:
+            return
+        own = sorted((k for k in self.keys() if k != key and self._meta(k).get("namespace") == namespace
+                      and not self.holders(k) and not self._meta(k).get("pinned")),
+                     key=lambda k: self._meta(k).get("lastUsed", 0))
+        if used - sum(self._meta(k).get("bytes", 0) for k in own) + needed <= share:
+            for victim in own:
+                if self.namespace_usage(namespace, but=key) + needed <= share:
+                    break
+                with self._try_lock(victim) as locked:
+                    if locked and not self.holders(victim):
+                        log.info("evicted %s of namespace %s to keep it within its share", victim, namespace)
+                        self._remove(victim, LEAST_RECENTLY_USED)
+            used = self.namespace_usage(namespace, but=key)
+            if used + needed <= share:
+                return
+        raise CacheFull(f"filling {key} needs {needed} more bytes for namespace {namespace}, which holds {used} "
+                        f"of its {share}-byte share of this node's cache (entries its pods filled, and fills under "
+                        f"way); its other entries are mounted or pinned: let their pods go, or ask the cluster "
+                        f"admin for a larger nodeCache.namespaceShare")
+
     def _fits(self, needed: int) -> bool:
         return (self.usage() + needed <= self.marks.high
                 and self.disk_free() - needed >= self.marks.keep_free)
@@ -452,8 +582,7 @@ class CacheStore:
             os.rename(path, doomed)  # gone from entries/ at once; the bytes go after
             _write_json(self.root / "removed" / key, {"why": why, "at": self.clock()})
             self.on_change()
-            _make_removable(doomed)
-            shutil.rmtree(doomed)
+            remove_tree(doomed)
         with contextlib.suppress(FileNotFoundError):
             self._meta_path(key).unlink()
 
@@ -495,14 +624,12 @@ class CacheStore:
 
 def source_manifest_bytes(source: Path, digest: str) -> bytes:
     """The source's manifest, trusted only if its sha256 is the digest the entry is keyed by."""
-    path = source / MANIFEST_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CacheError(f"{source} holds no {MANIFEST_NAME}: not a complete Ferry artifact") from None
+    data = read_manifest_bytes(source)  # never through a symlink, bounded
+    if data is None:
+        raise CacheError(f"{source} holds no {MANIFEST_NAME}: not a complete Ferry artifact")
     if not is_digest(data, digest):
-        raise CacheError(f"{path} has digest sha256:{hashlib.sha256(data).hexdigest()}, not {digest}: the "
-                         f"artifact changed under its record")
+        raise CacheError(f"{source / MANIFEST_NAME} has digest sha256:{hashlib.sha256(data).hexdigest()}, not "
+                         f"{digest}: the artifact changed under its record")
     return data
 
 
@@ -520,38 +647,63 @@ def copy_into(staging: Path, source: Path, manifest_bytes: bytes, entries, on_by
 
 def keep_verified(staging: Path, wanted, digest: str) -> set[str]:
     """The files a killed fill left in `staging` that are whole and verified (local reads); everything
-    else is removed: temporary files of an interrupted copy, corrupt files, strays."""
-    kept = set()
-    for e in wanted:
-        path = staging / e.path
-        if not path.is_file() or path.is_symlink():
-            continue
-        if path.lstat().st_size != e.size:  # bytes past the manifest's size would go unread: never kept
-            path.unlink()
-            continue
-        try:
-            read_files(staging, [e], ReadOptions())
-            kept.add(e.path)
-        except IntegrityError:
-            path.unlink()
-    manifests = {name for name in (MANIFEST_NAME, PENDING_MANIFEST)
-                 if (staging / name).is_file() and is_digest((staging / name).read_bytes(), digest)}
-    for stray in sorted(staging.rglob("*"), reverse=True):
-        rel = stray.relative_to(staging).as_posix()
-        if stray.is_symlink() or (stray.is_file() and rel not in kept | manifests):
-            stray.unlink()
+    else is removed: temporary files of an interrupted copy, corrupt files, strays, symlinks. Every file is
+    reached beneath `staging` without following a symlink: nothing outside it is read, stat'ed or removed."""
+    kept = {e.path for e in wanted if _verified_in_place(staging, e)}
+    manifests = {name for name in (MANIFEST_NAME, PENDING_MANIFEST) if _slot_manifest(staging, name, digest)}
+    _sweep(staging, kept | manifests)
     return kept
 
 
-def _check_sizes(root: Path, wanted) -> None:
-    """Every file exactly as large as its manifest entry says: the readers read only that many bytes."""
-    for e in wanted:
+def _verified_in_place(staging: Path, entry) -> bool:
+    """Whether the entry's file in `staging` is whole and verified; a wrong-sized or corrupt one is removed.
+    One missing, behind a symlink or not a regular file is not kept (the sweep removes a link itself)."""
+    try:
+        with opened(staging, entry.path) as fd:
+            size = os.fstat(fd).st_size
+    except IntegrityError:
+        return False
+    if size == entry.size:  # bytes past the manifest's size would go unread: never kept
         try:
-            size = (root / e.path).lstat().st_size
-        except FileNotFoundError:
-            raise IntegrityError(f"{e.path}: missing") from None
-        if size != e.size:
-            raise IntegrityError(f"{e.path}: {size} bytes, the manifest says {e.size}")
+            read_files(staging, [entry], ReadOptions())
+            return True
+        except IntegrityError:
+            pass
+    unlink_beneath(staging, entry.path)
+    return False
+
+
+def _sweep(staging: Path, keep: set[str]) -> None:
+    """Remove every symlink, and every regular file not in `keep`, under `staging`: depth first, each
+    directory opened relative to its parent without following a symlink, one open fd per level."""
+    stack: list[tuple[str, int, Iterator[str]]] = []
+    try:
+        stack.append(_sweep_dir("", os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), keep))
+        while stack:
+            prefix, fd, subdirs = stack[-1]
+            name = next(subdirs, None)
+            if name is None:
+                os.close(stack.pop()[1])
+                continue
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            stack.append(_sweep_dir(f"{prefix}{name}/", os.open(name, flags, dir_fd=fd), keep))
+    finally:
+        for _, fd, _ in stack:
+            os.close(fd)
+
+
+def _sweep_dir(prefix: str, fd: int, keep: set[str]) -> tuple[str, int, Iterator[str]]:
+    """Unlink what does not belong in the directory `fd` (its path `prefix`); (prefix, fd, its subdirectories)."""
+    try:
+        with os.scandir(fd) as listing:
+            items = list(listing)
+        for item in items:
+            if item.is_symlink() or (item.is_file(follow_symlinks=False) and prefix + item.name not in keep):
+                os.unlink(item.name, dir_fd=fd)
+        return prefix, fd, iter([i.name for i in items if not i.is_symlink() and i.is_dir(follow_symlinks=False)])
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _fingerprint(tree: Path) -> tuple[str, int]:
@@ -566,13 +718,18 @@ def _fingerprint(tree: Path) -> tuple[str, int]:
 
 
 def _slot_manifest_bytes(staging: Path, digest: str) -> bytes | None:
-    for name in (MANIFEST_NAME, PENDING_MANIFEST):
-        path = staging / name
-        if path.is_file() and not path.is_symlink():
-            data = path.read_bytes()
-            if is_digest(data, digest):
-                return data
-    return None
+    return next((data for name in (MANIFEST_NAME, PENDING_MANIFEST)
+                 if (data := _slot_manifest(staging, name, digest)) is not None), None)
+
+
+def _slot_manifest(staging: Path, name: str, digest: str) -> bytes | None:
+    """The manifest a slot holds under `name` if it is a regular file (never a symlink, bounded) whose
+    sha256 is `digest`; else None."""
+    try:
+        data = read_manifest_bytes(staging, name)
+    except IntegrityError:
+        return None
+    return data if data is not None and is_digest(data, digest) else None
 
 
 def install_manifest(staging: Path, manifest_bytes: bytes) -> None:
@@ -582,38 +739,13 @@ def install_manifest(staging: Path, manifest_bytes: bytes) -> None:
         (staging / PENDING_MANIFEST).unlink()
 
 
-def _take_over(staging: Path) -> int:
-    """Make a slot a fill pod wrote the agent's own: remove what is not a regular file or a directory
-    (symlinks, fifos, devices: never followed), chown root, no write or exec bits. Returns its bytes."""
-    total = 0
-    for top, dirs, files in os.walk(staging, topdown=True, followlinks=False):
-        for name in dirs + files:
-            path = os.path.join(top, name)
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode):
-                _own(path)
-                os.chmod(path, 0o755, follow_symlinks=False)
-            elif stat.S_ISREG(st.st_mode):
-                _own(path)
-                os.chmod(path, 0o444, follow_symlinks=False)
-                total += st.st_size
-            else:
-                os.unlink(path)
-        dirs[:] = [d for d in dirs if os.path.isdir(os.path.join(top, d)) and not os.path.islink(os.path.join(top, d))]
-    _own(str(staging))
-    os.chmod(staging, 0o755)
-    return total
-
-
-def _own(path: str) -> None:
-    if os.geteuid() == 0:  # the agent; an admin's `ferry cache fill` as themselves keeps their own files
-        os.lchown(path, 0, 0)
-
-
-def _make_removable(tree: Path) -> None:
-    for p in [tree, *tree.rglob("*")]:
-        if not p.is_symlink():
-            p.chmod(0o755 if p.is_dir() else 0o644)
+def _open_to(key: str, staging: Path, dir_mode: int, file_mode: int | None = None, root_too: bool = True) -> None:
+    """slot_tree.open_to on `key`'s staging directory (taken over, so within the walk's bounds): CacheError
+    naming the key if it is not."""
+    try:
+        open_to(staging, dir_mode, file_mode, root_too=root_too)
+    except TreeRefused as e:
+        raise CacheError(f"the staging directory of {key} holds {e}: remove {staging} and fill again") from None
 
 
 def is_digest(data: bytes, digest: str) -> bool:
@@ -629,15 +761,6 @@ def _safe(holder: str) -> str:
     if not holder or "/" in holder or holder.startswith("."):
         raise CacheError(f"holder {holder!r} must be a plain name (a pod uid)")
     return holder
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _write_text(path: Path, text: str) -> None:
-    with atomic_file(path) as f:
-        f.write(text.encode())
 
 
 def _write_json(path: Path, value: dict) -> None:

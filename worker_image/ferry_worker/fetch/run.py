@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..manifest import MANIFEST_NAME, TMP_MARKER, FileEntry, Manifest, fsync_dir, partial_name, write_manifest
+from ..manifest import MANIFEST_NAME, FileEntry, Manifest, fsync_dir, partial_name, reserved_name, write_manifest
 from ..paths import inside
 from ..progress import Progress, ProgressSink
 from ..sources import RemoteFile, Source, SourceError, open_source
@@ -28,8 +28,6 @@ from .transfer import TransferEngine, TransferOptions
 log = logging.getLogger(__name__)
 
 STAGING_DIR = ".ferry-staging"
-# Names Ferry writes in an output directory (manifest, journal, staging, partial files).
-FERRY_PRIVATE_PREFIX = ".ferry-"
 
 
 @dataclass(frozen=True)
@@ -113,14 +111,9 @@ def _unpublish(output: Path) -> None:
 
 def _without_reserved_names(files: list[RemoteFile]) -> list[RemoteFile]:
     """A source's own ferry-manifest.json (or journal, ...) must never land where Ferry's goes."""
-    def reserved(path: str) -> bool:
-        return path == MANIFEST_NAME or any(
-            part.startswith(FERRY_PRIVATE_PREFIX) or TMP_MARKER in part for part in path.split("/")
-        )
-
-    kept = [f for f in files if not reserved(f.path)]
+    kept = [f for f in files if not reserved_name(f.path)]
     for f in files:
-        if reserved(f.path):
+        if reserved_name(f.path):
             log.info("not fetching %s: a name Ferry reserves for its own files", f.path)
     return kept
 

@@ -19,6 +19,10 @@ per file reads it front to back — the first segment from the disk
 itself, the rest mostly from the page cache the segment readers filled ahead
 of it (hashlib releases the GIL, so files hash on several cores). Memory: one
 chunk per thread.
+
+Each file is opened beneath the root without following a symlink at any
+component (manifest.opened), and its copy written beneath `copy_to` the same
+way: a link a tenant planted in the artifact or the slot leads nowhere.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Sequence
 
-from ..manifest import BLOCK_SIZE, ContentCheck, FileEntry, IntegrityError, atomic_file, block_mismatch
+from ..manifest import BLOCK_SIZE, ContentCheck, FileEntry, IntegrityError, atomic_file, block_mismatch, opened
 
 DEFAULT_CHUNK = 8 << 20
 MIN_SEGMENT = 64 << 20  # smaller files are one segment: splitting them gains nothing
@@ -71,7 +75,8 @@ def read_files(root: Path, entries: Sequence[FileEntry], options: ReadOptions,
     ordered = sorted(entries, key=lambda e: -e.size)
 
     def one(e: FileEntry) -> None:
-        _read_one(root / e.path, e, options, at_once, on_bytes, copy_to / e.path if copy_to else None)
+        with opened(root, e.path) as fd:
+            _read_one(fd, e, options, at_once, on_bytes, copy_to)
         on_file(e.path)
 
     with ThreadPoolExecutor(at_once, thread_name_prefix="ferry-file") as files:
@@ -85,53 +90,50 @@ def read_files(root: Path, entries: Sequence[FileEntry], options: ReadOptions,
             raise
 
 
-def _read_one(path: Path, entry: FileEntry, options: ReadOptions, at_once: int,
-              on_bytes: Callable[[int], None], copy: Path | None) -> None:
+def _copy(copy_to: Path, entry: FileEntry):
+    """The copy of `entry` under `copy_to`, its directories made or opened without following a symlink."""
+    return atomic_file(copy_to / entry.path, beneath=copy_to)
+
+
+def _read_one(fd: int, entry: FileEntry, options: ReadOptions, at_once: int,
+              on_bytes: Callable[[int], None], copy_to: Path | None) -> None:
     if options.hash and entry.blocks:
-        return _verify_blocks(path, entry, options, at_once, on_bytes, copy)
+        return _verify_blocks(fd, entry, options, at_once, on_bytes, copy_to)
     check = ContentCheck(entry) if options.hash else None
-    consumer = check is not None or copy is not None
+    consumer = check is not None or copy_to is not None
     segments = options.cut(entry.size, at_once)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        # With a consumer reading from the front, the first segment is its own.
-        ahead = segments[1:] if consumer else segments
-        with ThreadPoolExecutor(max(1, len(ahead)), thread_name_prefix="ferry-read") as readers:
-            warm = [readers.submit(_read_range, fd, start, end, options.chunk_size, entry.path,
-                                   None if consumer else on_bytes) for start, end in ahead]
-            try:
-                if copy is None and check is not None:
-                    _consume(fd, entry, options.chunk_size, check, None, on_bytes)
-                    check.finish()
-                elif copy is not None:
-                    with atomic_file(copy) as out:
-                        _consume(fd, entry, options.chunk_size, check, out, on_bytes)
-                        if check is not None:
-                            check.finish()  # before the rename: a bad copy is never published
-            finally:
-                for f in warm:
-                    f.result()  # a short read there is the file's error too
-    finally:
-        os.close(fd)
+    # With a consumer reading from the front, the first segment is its own.
+    ahead = segments[1:] if consumer else segments
+    with ThreadPoolExecutor(max(1, len(ahead)), thread_name_prefix="ferry-read") as readers:
+        warm = [readers.submit(_read_range, fd, start, end, options.chunk_size, entry.path,
+                               None if consumer else on_bytes) for start, end in ahead]
+        try:
+            if copy_to is None and check is not None:
+                _consume(fd, entry, options.chunk_size, check, None, on_bytes)
+                check.finish()
+            elif copy_to is not None:
+                with _copy(copy_to, entry) as out:
+                    _consume(fd, entry, options.chunk_size, check, out, on_bytes)
+                    if check is not None:
+                        check.finish()  # before the rename: a bad copy is never published
+        finally:
+            for f in warm:
+                f.result()  # a short read there is the file's error too
 
 
-def _verify_blocks(path: Path, entry: FileEntry, options: ReadOptions, at_once: int,
-                   on_bytes: Callable[[int], None], copy: Path | None = None) -> None:
+def _verify_blocks(fd: int, entry: FileEntry, options: ReadOptions, at_once: int,
+                   on_bytes: Callable[[int], None], copy_to: Path | None = None) -> None:
     """Every block against its digest, segments in parallel (the block digests, under the manifest's own
-    digest, vouch for the file; FileEntry has checked there is one per block). With `copy`, each segment
+    digest, vouch for the file; FileEntry has checked there is one per block). With `copy_to`, each segment
     reader also writes its bytes at their offsets into the copy's temporary file, which is published
     (renamed) only once every block verified."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        segments = options.cut(entry.size, at_once, align=BLOCK_SIZE)
-        with contextlib.ExitStack() as stack:
-            out = stack.enter_context(atomic_file(copy)).fileno() if copy is not None else None
-            with ThreadPoolExecutor(len(segments), thread_name_prefix="ferry-verify") as readers:
-                for f in [readers.submit(_verify_range, fd, start, end, options.chunk_size, entry, on_bytes, out)
-                          for start, end in segments]:
-                    f.result()
-    finally:
-        os.close(fd)
+    segments = options.cut(entry.size, at_once, align=BLOCK_SIZE)
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(_copy(copy_to, entry)).fileno() if copy_to is not None else None
+        with ThreadPoolExecutor(len(segments), thread_name_prefix="ferry-verify") as readers:
+            for f in [readers.submit(_verify_range, fd, start, end, options.chunk_size, entry, on_bytes, out)
+                      for start, end in segments]:
+                f.result()
 
 
 def _verify_range(fd: int, start: int, end: int, chunk: int, entry: FileEntry,

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file
+from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, atomic_file, check_sizes, read_manifest_bytes
 from ..progress import LogLines, Progress, human_bytes
 from . import report as reasons
 from .reader import ReadOptions, read_files  # noqa: F401 (ReadOptions: LoadRequest's type)
@@ -106,19 +106,13 @@ def _check_digest(data: bytes, expected: str | None, where: str) -> str:
 
 def _load_dir(request: LoadRequest, started: float) -> LoadResult:
     root = Path(request.artifact)
-    path = root / MANIFEST_NAME
-    if not path.is_file():
+    data = read_manifest_bytes(root)  # never through a symlink, bounded
+    if data is None:
         raise IntegrityError(f"{root}: no {MANIFEST_NAME} (incomplete, or not prepared by ferry)")
-    data = path.read_bytes()
     digest = _check_digest(data, request.expected_digest, str(root))
     manifest = Manifest.from_json(data)
     selection = select(manifest, request.ranks, request.group)
-    for entry in selection.entries:
-        file = root / entry.path
-        if not file.is_file():
-            raise IntegrityError(f"{entry.path}: missing")
-        if (size := file.stat().st_size) != entry.size:
-            raise IntegrityError(f"{entry.path}: size {size} != {entry.size} in manifest")
+    check_sizes(root, selection.entries)  # each opened beneath the root, no symlink followed
     full = request.verify == "full"
     options = dataclasses.replace(request.options, hash=full)
     with Progress("load", selection.total_bytes, [LogLines()]) as progress:

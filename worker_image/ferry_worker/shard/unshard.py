@@ -7,6 +7,9 @@ every piece of every rank file, the region of the source tensor it came from.
 Each region is copied back. Beyond the copy, every other invariant of the
 layout is checked: KV-head replicas are identical, vocabulary padding is zero,
 constants hold their value, and the pieces tile each source tensor exactly.
+
+Every file of the artifact is opened beneath it without following a symlink
+(manifest.opened), and each copy written beneath the output the same way.
 """
 from __future__ import annotations
 
@@ -21,10 +24,12 @@ from ..manifest import (
     IntegrityError,
     Manifest,
     atomic_file,
+    opened,
     sha256_file,
     verify,
     write_manifest,
 )
+from ..paths import UnsafePathError, read_beneath
 from ..safetensors_header import validate_safetensors
 from .job import FORMAT
 from .experts import DEFAULT_TARGET, MoeTarget
@@ -61,13 +66,15 @@ def unshard(artifact: Path, output: Path) -> Manifest:
         out.truncate(position)
         out.flush()
         for planned in plan.files:
-            _scatter(artifact / planned.name, planned, out.fileno(), offsets, specs, coverage)
+            _scatter(artifact, planned, out.fileno(), offsets, specs, coverage)
         coverage.check_complete(specs, rebuilt)
     entries = [FileEntry(UNSHARDED_NAME, position, sha256_file(output / UNSHARDED_NAME))]
     for entry in manifest.files:
         if entry.path not in rank_files:
-            shutil.copyfile(artifact / entry.path, output / entry.path)
-            entries.append(entry)  # the same bytes: the same digest, in whichever form it was recorded
+            with opened(artifact, entry.path) as fd, open(fd, "rb", closefd=False) as src, \
+                    atomic_file(output / entry.path, beneath=output) as dst:
+                shutil.copyfileobj(src, dst)
+            entries.append(entry)  # the same bytes (verified above): the same digest, in whichever form
     result = Manifest(files=entries, source=str(artifact), format="safetensors",
                       extra={"unshardedFrom": manifest.extra})
     write_manifest(output, result)
@@ -76,7 +83,12 @@ def unshard(artifact: Path, output: Path) -> Manifest:
 
 def _replan(artifact: Path, manifest: Manifest) -> ShardPlan:
     extra = manifest.extra
-    config = json.loads((artifact / "config.json").read_text())
+    try:
+        config = json.loads(read_beneath(artifact, "config.json", 64 << 20) or b"null")
+    except UnsafePathError as e:
+        raise IntegrityError(f"{artifact}: {e}") from None
+    if not isinstance(config, dict):
+        raise IntegrityError(f"{artifact}: no config.json (a JSON object) to re-plan the cut from")
     specs = {name: TensorSpec(s["dtype"], tuple(s["shape"])) for name, s in extra["sourceTensors"].items()}
     plan = plan_shards(config, specs, tp=extra["tensorParallelSize"], pp=extra["pipelineParallelSize"],
                        vllm=parse_vllm_version(extra["vllmVersion"]), max_part_size=extra["maxPartSize"],
@@ -121,9 +133,15 @@ class _Coverage:
                 raise IntegrityError(f"{name}: slices cover {end} of {extent}")
 
 
-def _scatter(rank_file: Path, planned: PlannedFile, out_fd: int, offsets: dict[str, int],
+def _scatter(artifact: Path, planned: PlannedFile, out_fd: int, offsets: dict[str, int],
              specs: dict[str, TensorSpec], coverage: _Coverage) -> None:
-    header = validate_safetensors(rank_file)
+    with opened(artifact, planned.name) as fd:
+        _scatter_from(fd, artifact / planned.name, planned, out_fd, offsets, specs, coverage)
+
+
+def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, offsets: dict[str, int],
+                  specs: dict[str, TensorSpec], coverage: _Coverage) -> None:
+    header = validate_safetensors(fd, name=str(rank_file))
     stored = {t.name: t for t in header.tensors}
     expected = {t.name: (t.dtype, t.shape) for t in planned.tensors}
     actual = {t.name: (t.dtype, t.shape) for t in header.tensors}
@@ -133,38 +151,36 @@ def _scatter(rank_file: Path, planned: PlannedFile, out_fd: int, offsets: dict[s
                              f"(only in file: {sorted(actual.keys() - expected.keys())}, "
                              f"only in plan: {sorted(expected.keys() - actual.keys())}, shape/dtype: {changed})")
     buffers, other = BlockBuffers(), BlockBuffers()
-    with open(rank_file, "rb", buffering=0) as f:
-        fd = f.fileno()
-        for tensor in planned.tensors:
-            position = header.data_offset + stored[tensor.name].begin
-            row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
-            for piece in tensor.pieces:
-                if isinstance(piece, (Rows, Columns)):
-                    spec = specs[piece.source]
-                    dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
-                    here = Span(position, dest.nbytes)
-                    earlier = coverage.first_copy(piece.source, piece, rank_file, here)
-                    if earlier is None:
-                        written = 0
-                        for chunk in read_span(fd, here, buffers):
-                            write_span(out_fd, dest, chunk, written)
-                            written += len(chunk)
-                    else:
-                        _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
-                    position += dest.nbytes
-                elif isinstance(piece, ZeroRows):
-                    nbytes = piece.count * row_bytes
-                    if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):
-                        raise IntegrityError(f"{rank_file.name}: {tensor.name}: vocabulary padding is not zero")
-                    position += nbytes
-                elif isinstance(piece, Constant):
-                    if next(read_span(fd, Span(position, len(piece.data)), buffers)) != piece.data:
-                        raise IntegrityError(f"{rank_file.name}: {tensor.name} is not vLLM's default value")
-                    position += len(piece.data)
+    for tensor in planned.tensors:
+        position = header.data_offset + stored[tensor.name].begin
+        row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
+        for piece in tensor.pieces:
+            if isinstance(piece, (Rows, Columns)):
+                spec = specs[piece.source]
+                dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
+                here = Span(position, dest.nbytes)
+                earlier = coverage.first_copy(piece.source, piece, rank_file, here)
+                if earlier is None:
+                    written = 0
+                    for chunk in read_span(fd, here, buffers):
+                        write_span(out_fd, dest, chunk, written)
+                        written += len(chunk)
+                else:
+                    _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
+                position += dest.nbytes
+            elif isinstance(piece, ZeroRows):
+                nbytes = piece.count * row_bytes
+                if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):
+                    raise IntegrityError(f"{rank_file.name}: {tensor.name}: vocabulary padding is not zero")
+                position += nbytes
+            elif isinstance(piece, Constant):
+                if next(read_span(fd, Span(position, len(piece.data)), buffers)) != piece.data:
+                    raise IntegrityError(f"{rank_file.name}: {tensor.name} is not vLLM's default value")
+                position += len(piece.data)
 
 
 def _check_replica(fd: int, here: Span, first_file: Path, first: Span, buffers: BlockBuffers,
                    other: BlockBuffers, label: str) -> None:
-    with open(first_file, "rb", buffering=0) as f:
-        if any(a != b for a, b in zip(read_span(fd, here, buffers), read_span(f.fileno(), first, other))):
+    with opened(first_file.parent, first_file.name) as first_fd:
+        if any(a != b for a, b in zip(read_span(fd, here, buffers), read_span(first_fd, first, other))):
             raise IntegrityError(f"{label}: replicated slice differs from its copy in {first_file.name}")

@@ -20,7 +20,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from ..manifest import MANIFEST_NAME, IntegrityError, Manifest, verify
+from ..manifest import MANIFEST_NAME, NOT_FERRYS, IntegrityError, Manifest, entry_problem, verify
 from .errors import ArtifactError, StoreError
 from .location import LocalLocation
 from .store import Store, StoredObject
@@ -63,9 +63,15 @@ def pending_names(store: Store) -> list[str]:
     if data is None:
         return []
     try:
-        return [str(n) for n in json.loads(data)["files"]]
+        names = json.loads(data)["files"]
+        if not isinstance(names, list):
+            raise TypeError("its files are not a list")
+        problem = next((f"{n!r}: {p}" for n in names if (p := entry_problem(n, 0))), None)
     except (ValueError, KeyError, TypeError) as e:
         raise StoreError(f"{store.uri(PENDING_NAME)}: unreadable pending record: {e}") from None
+    if problem:  # the names become keys and paths to delete: held to a manifest entry's rules
+        raise StoreError(f"{store.uri(PENDING_NAME)}: refusing the name {problem[:300]}; {NOT_FERRYS}")
+    return names
 
 
 def reuse(store: Store, request: dict) -> Published | None:

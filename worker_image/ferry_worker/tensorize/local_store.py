@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 
-from ..manifest import TMP_MARKER, atomic_file, fsync_dir, sha256_file, tmp_name
-from ..paths import inside
+from ..manifest import MAX_MANIFEST_BYTES, TMP_MARKER, atomic_file, fsync_dir, sha256_file, tmp_name
+from ..paths import UnsafePathError, inside, open_beneath, read_beneath, unlink_beneath
+from .errors import StoreError
 from .location import LocalLocation
 from .objects import OnBytes, StoredObject
 
@@ -55,12 +57,23 @@ class LocalStore:
         return inside(self.root, name)
 
     def read(self, name: str) -> bytes | None:
-        path = self.root / name
-        return path.read_bytes() if path.is_file() else None
+        """Ferry's own records (the manifest, the pending record), never through a symlink nor past
+        MAX_MANIFEST_BYTES."""
+        try:
+            return read_beneath(self.root, name, MAX_MANIFEST_BYTES)
+        except UnsafePathError as e:
+            raise StoreError(f"{self.uri(name)}: {e}") from None
 
     def head(self, name: str) -> tuple[int, str | None] | None:
-        path = self.root / name
-        return (path.stat().st_size, None) if path.is_file() else None
+        try:
+            fd = open_beneath(self.root, name, os.O_RDONLY | os.O_NONBLOCK)
+        except (OSError, UnsafePathError):
+            return None
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return (st.st_size, None) if stat.S_ISREG(st.st_mode) else None
 
     def put_bytes(self, name: str, data: bytes) -> StoredObject:
         with atomic_file(self._path(name)) as f:
@@ -70,7 +83,7 @@ class LocalStore:
     def put_file(self, name: str, path, on_bytes: OnBytes | None = None,
                  expected_sha256: str | None = None) -> StoredObject:
         digest, size = hashlib.sha256(), 0
-        with open(path, "rb") as src, atomic_file(self._path(name)) as dst:
+        with open(path, "rb", closefd=not isinstance(path, int)) as src, atomic_file(self._path(name)) as dst:
             while block := src.read(COPY_BLOCK):
                 digest.update(block)
                 dst.write(block)
@@ -78,15 +91,11 @@ class LocalStore:
                 if on_bytes:
                     on_bytes(len(block))
             if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
-                from .errors import StoreError
-
-                raise StoreError(f"{path}: sha256 {digest.hexdigest()} != {expected_sha256} in the source's "
+                raise StoreError(f"{name}: sha256 {digest.hexdigest()} != {expected_sha256} in the source's "
                                  f"manifest: the source changed or is damaged")
         # What is on disk now, not what passed through: re-hash (page cache) to catch a bad write.
         stored = sha256_file(self.root / name)
         if stored != digest.hexdigest():
-            from .errors import StoreError
-
             raise StoreError(f"{self.uri(name)}: written bytes hash to {stored}, sent {digest.hexdigest()}")
         return StoredObject(name, size, stored)
 
@@ -95,10 +104,8 @@ class LocalStore:
 
     def delete(self, names: list[str]) -> list[str]:
         deleted = []
-        for name in names:
-            path = inside(self.root, name) if self.root.exists() else self.root / name
-            if path.is_file():
-                path.unlink()
+        for name in names:  # a name through a symlink names nothing under the root: nothing is removed
+            if self.root.is_dir() and unlink_beneath(self.root, name):
                 deleted.append(name)
         if deleted:
             fsync_dir(self.root)

@@ -22,14 +22,15 @@ from pathlib import Path
 
 from .. import __version__
 from ..manifest import (
-    MANIFEST_NAME,
-    TMP_MARKER,
     ContentCheck,
     FileEntry,
     IntegrityError,
     Manifest,
+    check_sizes,
     manifest_digest,
+    opened,
     read_manifest,
+    reserved_name,
 )
 from ..paths import safe_relative_path
 from ..progress import Progress
@@ -66,14 +67,13 @@ class PublishJob:
             raise ArtifactError(f"{source}: not a directory")
         if isinstance(location, LocalLocation) and location.path == source:
             raise ArtifactError("the output must differ from the source directory")
-        manifest = read_manifest(source)
+        manifest = read_manifest(source)  # IntegrityError, naming the entry, for one Ferry never writes
         if manifest is not None:
+            try:
+                check_sizes(source, manifest.files)  # opened beneath the source: no symlink followed
+            except IntegrityError as e:
+                raise ArtifactError(f"{source}: {e}; run `ferry verify {source}`") from None
             files = [(e.path, e.size, _identity(e)) for e in sorted(manifest.files, key=lambda e: e.path)]
-            for rel, size, _ in files:
-                path = source / rel
-                if not path.is_file() or path.stat().st_size != size:
-                    raise ArtifactError(f"{path}: missing or not the size its manifest says ({size}); run "
-                                        f"`ferry verify {source}`")
             return cls(source, location, files, manifest.format, dict(manifest.extra), manifest_digest(source),
                        s3 or S3Options(), part_size, {e.path: e for e in manifest.files if not e.sha256})
         files = []
@@ -110,8 +110,12 @@ class PublishJob:
         on_bytes = progress.advance if progress else None
         stored: list[StoredObject] = []
         for rel, _, identity in self.files:
-            stored.append(store.put_file(rel, self.source / rel, on_bytes,
-                                         expected_sha256=self._expected_sha256(rel, identity)))
+            expected = self._expected_sha256(rel, identity)
+            if identity is None:  # no manifest: every file of the directory, as listed
+                stored.append(store.put_file(rel, self.source / rel, on_bytes, expected_sha256=expected))
+                continue
+            with opened(self.source, rel) as fd:  # no symlink followed
+                stored.append(store.put_file(rel, fd, on_bytes, expected_sha256=expected))
         manifest = Manifest(files=[o.entry() for o in stored], source=str(self.source), format=self.format,
                             tool=f"ferry {__version__}",
                             extra={**self.extra, "request": request, "publishedFrom": self.source_digest})
@@ -124,10 +128,10 @@ class PublishJob:
         if entry is None:
             return identity
         check = ContentCheck(entry, whole=True)
-        with open(self.source / rel, "rb", buffering=0) as f:
-            while data := f.read(8 << 20):
-                check.update(data)
         try:
+            with opened(self.source, rel) as fd, open(fd, "rb", buffering=0, closefd=False) as f:
+                while data := f.read(8 << 20):
+                    check.update(data)
             return check.finish()
         except IntegrityError as e:
             # As a whole-file mismatch in the store's own check: a changed source, which a retry may find whole.
@@ -144,5 +148,4 @@ def _identity(entry: FileEntry) -> str:
 
 
 def _ferrys_own(rel: str) -> bool:
-    name = rel.rsplit("/", 1)[-1]
-    return rel == MANIFEST_NAME or name.startswith(".ferry-") or TMP_MARKER in name
+    return reserved_name(rel)

@@ -17,10 +17,12 @@ How each object is known to be stored intact before the manifest names it:
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+from ..manifest import MAX_MANIFEST_BYTES, NOT_FERRYS
 from .errors import StoreError
 from .location import S3Location
 from .objects import OnBytes, StoredObject
@@ -77,12 +79,18 @@ class S3Store:
 
     # -- reads -------------------------------------------------------------------------------------
     def read(self, name: str) -> bytes | None:
+        """Ferry's own records (the manifest, the pending record): refused past MAX_MANIFEST_BYTES."""
         try:
-            return self.client.get_object(Bucket=self.location.bucket, Key=self._key(name))["Body"].read()
+            body = self.client.get_object(Bucket=self.location.bucket, Key=self._key(name))["Body"]
+            data = body.read(MAX_MANIFEST_BYTES + 1)
+            body.close()
         except Exception as e:
             if is_not_found(e):
                 return None
             raise StoreError(f"{self.uri(name)}: read failed: {e}") from e
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise StoreError(f"{self.uri(name)}: more than {MAX_MANIFEST_BYTES} bytes; {NOT_FERRYS}")
+        return data
 
     def head(self, name: str) -> tuple[int, str | None] | None:
         try:
@@ -100,20 +108,20 @@ class S3Store:
         return self.confirm(name, len(data), [upload.parts[1]], etag, sha256=hashlib.sha256(data).hexdigest(),
                             whole_md5=upload.parts[1].md5.hex())
 
-    def put_file(self, name: str, path: Path, on_bytes: OnBytes | None = None,
+    def put_file(self, name: str, path: Path | int, on_bytes: OnBytes | None = None,
                  expected_sha256: str | None = None) -> StoredObject:
-        size = Path(path).stat().st_size
+        size = os.fstat(path).st_size if isinstance(path, int) else Path(path).stat().st_size
         part_size = part_size_for(size, self.part_size)
         upload = ObjectUpload(self.client, self.location.bucket, self._key(name), self.options.concurrency,
                               self.uri(name))
         sha256, md5 = hashlib.sha256(), hashlib.md5()
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
                 if size <= part_size:
                     data = f.read()
                     sha256.update(data)
                     md5.update(data)
-                    self._check_source(path, sha256, expected_sha256)
+                    self._check_source(name, sha256, expected_sha256)
                     etag = upload.put(data)
                 else:
                     number = 0
@@ -129,7 +137,7 @@ class S3Store:
                         upload.submit(number, data)
                         if on_bytes:
                             on_bytes(n)
-                    self._check_source(path, sha256, expected_sha256)
+                    self._check_source(name, sha256, expected_sha256)
                     etag = upload.complete()
         except BaseException:
             upload.abort()
@@ -140,9 +148,9 @@ class S3Store:
         return self.confirm(name, size, parts, etag, sha256=sha256.hexdigest(), whole_md5=md5.hexdigest())
 
     @staticmethod
-    def _check_source(path: Path, sha256: "hashlib._Hash", expected: str | None) -> None:
+    def _check_source(name: str, sha256: "hashlib._Hash", expected: str | None) -> None:
         if expected is not None and sha256.hexdigest() != expected:
-            raise StoreError(f"{path}: sha256 {sha256.hexdigest()} != {expected} in the source's manifest: the "
+            raise StoreError(f"{name}: sha256 {sha256.hexdigest()} != {expected} in the source's manifest: the "
                              f"source changed or is damaged; nothing was published")
 
     def tensor_object(self, name: str, size_hint: int) -> S3TensorObject:

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 DRIVER = "cache.ferry.dev"
 POD = "csi.storage.k8s.io/pod."
+# Publishes of an absent entry that may wait for it at once (of the server's 16 threads), one per pod: any
+# more fail fast with Unavailable (the kubelet retries). Pods asking for digests no fill will bring hold no
+# more than these, so a present entry still mounts at once.
+MAX_WAITING = 4
 
 
 class NodeService(csi_pb2_grpc.NodeServicer):
@@ -45,6 +49,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         # A publish that outlasts the kubelet's call (verifying a large entry) must not be started twice.
         self._busy: set[str] = set()
         self._busy_lock = threading.Lock()
+        self._waiting: set[str] = set()  # the pods whose publish waits for an absent entry
 
     # -- the kubelet's calls ---------------------------------------------------------------------------------
     def NodeGetInfo(self, request, context):
@@ -99,11 +104,12 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             mounts.unmount(target)  # a mount with no record (an agent killed in between): start again
         how = ""
         if mode == "serve":
+            self._await_entry(key, _pod(request))
             source, verified = self._entry_for(key, request.volume_id)
             how = (" (every byte verified)" if verified else
                    f" (verified within {self.store.reverify_after:.0f} s, its files unchanged since)")
         elif mode == "fill":
-            source, mode = self._slot_for(key, request.volume_id, attrs.get("bytes", ""))
+            source, mode = self._slot_for(key, request.volume_id, attrs.get("bytes", ""), attrs.get(POD + "namespace", ""))
         else:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"volumeAttributes.mode {mode!r}: serve or fill")
         record = {"key": key, "mode": mode, "target": str(target), "pod": _pod(request),
@@ -119,14 +125,33 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         log.info("%s %s for pod %s at %s%s", "serving (read-only)" if mode == "serve" else "fill slot of", key,
                  _pod(request), target, how)
 
+    def _await_entry(self, key: str, pod: str) -> None:
+        """Wait (at most mount_wait) for an absent entry: one waiting publish per pod, MAX_WAITING in all;
+        beyond that, or after the wait, Unavailable (the kubelet retries)."""
+        if self.store.entry(key) is not None:
+            return
+        absent = f"no cache entry {key} on node {self.node_name} yet: its fill pod has not finished"
+        with self._busy_lock:
+            full = pod in self._waiting or len(self._waiting) >= MAX_WAITING
+            if not full:
+                self._waiting.add(pod)
+        if full:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"{absent}; {MAX_WAITING} mounts already wait for "
+                                                        f"absent entries on this node (the kubelet retries)")
+        try:
+            deadline = time.monotonic() + self.mount_wait
+            while self.store.entry(key) is None:
+                if time.monotonic() >= deadline:
+                    raise _Refused(grpc.StatusCode.UNAVAILABLE, f"{absent} (the kubelet retries this mount)")
+                time.sleep(0.5)
+        finally:
+            with self._busy_lock:
+                self._waiting.discard(pod)
+
     def _entry_for(self, key: str, holder: str) -> tuple[Path, bool]:
-        deadline = time.monotonic() + self.mount_wait
-        while self.store.entry(key) is None:
-            if time.monotonic() >= deadline:
-                raise _Refused(grpc.StatusCode.UNAVAILABLE,
-                               f"no cache entry {key} on node {self.node_name} yet: its fill pod has not "
-                               f"finished (the kubelet retries this mount)")
-            time.sleep(0.5)
+        if self.store.entry(key) is None:  # evicted since it was awaited
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"no cache entry {key} on node {self.node_name} "
+                                                        f"(the kubelet retries this mount)")
         self._write_record(holder, {"key": key, "mode": "serve"})  # held from here: never evicted under us
         try:
             return self.store.mount_entry(key, holder)
@@ -139,11 +164,14 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             self._drop_record(holder)
             raise _Refused(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    def _slot_for(self, key: str, holder: str, nbytes: str) -> tuple[Path, str]:
+    def _slot_for(self, key: str, holder: str, nbytes: str, namespace: str) -> tuple[Path, str]:
         """The slot to fill, or (filled meanwhile) the entry itself read-only: the fill pod finds it complete."""
-        if not nbytes.isdigit():
+        if not nbytes.isdigit() or int(nbytes) == 0:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"volumeAttributes.bytes {nbytes!r}: the bytes the "
-                                                             f"fill writes, a whole number")
+                                                             f"fill writes, a positive whole number")
+        if not namespace and self.store.fairness.namespace_share:  # fail closed: no namespace, no share
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"no {POD}namespace in the volume context: the "
+                                                             f"CSIDriver {DRIVER} must have podInfoOnMount: true")
         if self.store.entry(key) is not None:
             self._write_record(holder, {"key": key, "mode": "serve"})
             try:
@@ -161,7 +189,7 @@ class NodeService(csi_pb2_grpc.NodeServicer):
                                                         f"on node {self.node_name}: one fill per entry")
             self._write_record(holder, {"key": key, "mode": "fill", "bytes": nbytes})
         try:
-            return self.store.slot(key, int(nbytes)), "fill"
+            return self.store.slot(key, int(nbytes), namespace), "fill"
         except CacheFull as e:
             self._drop_record(holder)
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node {self.node_name}: {e}")
