@@ -487,6 +487,11 @@ def test_node_cache_values_reach_the_agent(helm, tmp_path):
     (dep,) = by_kind(docs, "Deployment")
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["FERRY_FILL_DEADLINE_SECONDS"] == "3600"
+    assert env["FERRY_PREWARM_NODE_LABELS"] == ""  # any label, by default
+    listed = render(helm, "nodeCache.enabled=true", "nodeCache.prewarmNodeLabels={ferry.dev/pool,zone}")
+    (dep,) = by_kind(listed, "Deployment")
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FERRY_PREWARM_NODE_LABELS"] == "ferry.dev/pool,zone"
     flags = dict(zip(args[2:10:2], args[3:10:2]))
     assert flags == {"--root": "/var/lib/ferry/cache", "--high": "3500000", "--low": "500Gi", "--eviction-hard": "1Gi"}
     assert args[args.index("--mount-wait") + 1] == "5"

@@ -579,3 +579,19 @@ def test_a_fill_jobs_deadline_is_capped_whatever_the_claim_size():
     roomy = replace(settings, fill_deadline_seconds=10 ** 6)  # a cap above the derived deadline leaves it be
     small = fill_job_manifest(cached(), "u-1", "gpu-a", artifact, 0, roomy, placement_of({}))
     assert small["spec"]["activeDeadlineSeconds"] == prepare_deadline(cached(), roomy) < 10 ** 6
+
+
+def test_a_prewarm_may_select_only_by_the_labels_the_admin_lists():
+    """The chart's nodeCache.prewarmNodeLabels: a prewarm selecting by another label stalls, naming it and
+    the allowed ones, and makes no fill Job; unset, any label (placement still applies)."""
+    m = cached(prewarm={"nodeSelector": {"team": "b"}})
+    dep = deployment(placement=placement_of(GPU_TEMPLATE))
+    listed = replace(observed(m, dep, prewarm=["gpu-a"], facts=POOL), prewarm_labels=("ferry.dev/pool",))
+    p = plan(m, listed, loader=LOADER)
+    assert p.actions == []
+    stalled = {c.type: c for c in p.status.conditions}["Stalled"]
+    assert (stalled.status, stalled.reason) == ("True", "PrewarmLabelNotAllowed")
+    assert "selects by team, a label the cluster admin does not let prewarms select by" in stalled.message
+    assert "nodeCache.prewarmNodeLabels: ferry.dev/pool" in stalled.message
+    allowed = replace(listed, prewarm_labels=("team", "ferry.dev/pool"))
+    assert "PrewarmLabelNotAllowed" not in {c.reason for c in plan(m, allowed, loader=LOADER).status.conditions}

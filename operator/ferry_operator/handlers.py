@@ -64,6 +64,8 @@ KEEP_PREVIOUS = int(os.environ.get("FERRY_RETAIN_PREVIOUS_ARTIFACTS", "1"))
 LWS = APIS[WorkloadKind.LEADER_WORKER_SET.value]
 # The chart sets it with nodeCache.enabled: the cluster runs Ferry's node agent. Without it, no fill Job.
 NODE_AGENT = os.environ.get("FERRY_NODE_CACHE", "").lower() == "true"
+# The node labels a prewarm may select by (the chart's nodeCache.prewarmNodeLabels); unset or empty: any.
+PREWARM_LABELS = tuple(k.strip() for k in os.environ.get("FERRY_PREWARM_NODE_LABELS", "").split(",") if k.strip()) or None
 # A prewarm holding the rollout is watched through its fill Jobs' and nodes' events: the poll behind them
 # backs off, RECONCILE_INTERVAL doubling up to this.
 PREWARM_BACKOFF_MAX_S = float(os.environ.get("FERRY_PREWARM_BACKOFF_MAX_S", "30"))
@@ -573,6 +575,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         cache_nodes=dict(node_labels or {}),
         nodes=dict(nodes or {}),
         node_agent=NODE_AGENT,
+        prewarm_labels=PREWARM_LABELS,
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
     # Held with nothing to do: each such reconcile in a row doubles the poll (an action starts it afresh).

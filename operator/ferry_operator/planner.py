@@ -85,6 +85,8 @@ class Observed:
     nodes: dict[str, NodeFacts] = field(default_factory=dict)
     # Whether the cluster runs Ferry's node agent (the chart's nodeCache.enabled): without it, no fill.
     node_agent: bool = False
+    # The node labels a prewarm may select by (the chart's nodeCache.prewarmNodeLabels); None: any label.
+    prewarm_labels: tuple[str, ...] | None = None
     # The nodes whose node agent keeps their cache labels: node -> its cache.ferry.dev/ labels.
     cache_nodes: dict[str, dict[str, str]] = field(default_factory=dict)
 
@@ -473,6 +475,9 @@ def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _D
                              "agent (the chart's nodeCache.enabled is false), so no node can hold the artifact "
                              "and no fill Job is made; ask the cluster admin to enable it, or remove "
                              "serving.nodeCache", facts, ConditionType.SERVING_UPDATED)
+    unlisted = _unlisted_prewarm_labels(mw, observed)
+    if unlisted:
+        return draft.stalled("PrewarmLabelNotAllowed", unlisted, facts, ConditionType.SERVING_UPDATED)
     cache = cache_plan(mw.spec, facts, observed.fills, observed.pods, observed.prewarm_nodes, draft.at,
                        labelled=observed.cache_nodes, previous=mw.status.cache if mw.status else None,
                        nodes=observed.nodes, templates=_templates(mw, observed))
@@ -491,6 +496,20 @@ def _node_cache(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _D
     cache.notes += [f"no fill on {r}" for r in refused]
     draft.status.cache = cache.status
     return cache
+
+
+def _unlisted_prewarm_labels(mw: ModelWeights, observed: Observed) -> str:
+    """Why the prewarm's nodeSelector may not be used ("" if it may): a label the cluster admin does not
+    let prewarms select by."""
+    prewarm = mw.spec.serving.node_cache.prewarm
+    if prewarm is None or observed.prewarm_labels is None:
+        return ""
+    unlisted = sorted(set(prewarm.node_selector) - set(observed.prewarm_labels))
+    if not unlisted:
+        return ""
+    return (f"serving.nodeCache.prewarm.nodeSelector selects by {', '.join(unlisted)}, a label the cluster admin "
+            f"does not let prewarms select by (the chart's nodeCache.prewarmNodeLabels: "
+            f"{', '.join(observed.prewarm_labels) or 'none'}); select by those, or remove the prewarm")
 
 
 def _templates(mw: ModelWeights, observed: Observed) -> list[Template]:
