@@ -21,6 +21,7 @@ from ferry_worker.cache import slot_tree
 from ferry_worker.cache.store import (
     DEFAULT_RESERVATION_S,
     CacheError,
+    CacheFull,
     CacheStore,
     Fairness,
     Watermarks,
@@ -175,8 +176,13 @@ def test_a_1200_deep_slot_breaks_no_walk_and_is_refused_and_removed(tmp_path, de
     other, _ = artifact(tmp_path / "other", salt=b"other")
     slot = store.slot(key, 100, "team-a")
     deep_tree(slot, 1200)
-    assert store.usage() == 100 and store.namespace_usage("team-a") == 100  # the reservation; nothing raised
-    assert store.slot(other, 100, "team-a").is_dir()
+    assert store.usage() == 100  # the reservation; nothing raised
+    # Too deep to count whole (bytes could hide past the bound): it counts as team-a's whole share, so team-a
+    # fills nothing more while it lives; another namespace's fill is not held up.
+    assert store.namespace_usage("team-a") == 1 << 40
+    with pytest.raises(CacheFull, match="namespace team-a"):
+        store.slot(other, 100, "team-a")
+    assert store.slot(other, 100, "team-b").is_dir()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, len(os.listdir("/proc/self/fd")) + 100), hard))
     try:  # far fewer fds than levels: the walk holds at most 65, the removal FLAT_DEPTH
@@ -317,3 +323,41 @@ def test_fill_refuses_a_key_whose_slot_a_fill_pod_has_reserved(tmp_path):
     assert (slot / "half-written").exists() and stat.S_IMODE(slot.stat().st_mode) == 0o777  # not taken over
     now[0] += DEFAULT_RESERVATION_S + 1  # the pod's time is up: the admin's fill takes the slot over
     assert store.fill(tmp_path / "artifact", digest) == store.entry(key)
+
+
+def test_a_file_still_open_for_writing_is_not_adopted(tmp_path):
+    """The chmod stops new writers, not an fd the pod (or a process it handed one) still holds, which could
+    change the bytes after they are verified and poison the entry for every tenant: such a file is unlinked
+    (no read lease while a writer or a writable mapping exists), and the fill stays unfinished."""
+    store = CacheStore(tmp_path / "cache", BIG)
+    key, data = artifact(tmp_path / "artifact")
+    slot = store.slot(key, 100, "team-a")
+    fill_in(slot, data)
+    as_pod(slot)
+    held = os.open(slot / "config.json", os.O_WRONLY)  # a writer that outlives the pod
+    try:
+        with pytest.raises(CacheError, match="unfinished"):
+            store.adopt(key, 100)
+        os.write(held, b"EVIL")  # lands in the unlinked inode, in no entry
+    finally:
+        os.close(held)
+    assert store.entry(key) is None and not (slot / "config.json").exists()
+    store.slot(key, 100, "team-a")  # the next fill pod: the rest was kept
+    fill_in(slot, data)
+    assert store.adopt(key, 100) == store.entry(key)
+    assert (store.entry(key) / "config.json").read_bytes() == FILES["config.json"]
+
+
+def test_remove_tree_clears_a_wide_directory_in_batches(tmp_path, monkeypatch):
+    """Millions of entries in one directory must not be held in memory at once (the agent's limit is 512 Mi):
+    files go batch by batch, empty subdirectories as they are met."""
+    monkeypatch.setattr(slot_tree, "CLEAR_BATCH", 7)
+    tree = tmp_path / "wide"
+    tree.mkdir()
+    for i in range(50):
+        (tree / f"f{i}").write_bytes(b"x")
+    for i in range(20):
+        (tree / f"d{i}").mkdir()
+    (tree / "d0" / "inner").write_bytes(b"y")
+    slot_tree.remove_tree(tree)
+    assert not tree.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
 import uuid
@@ -30,6 +31,7 @@ from ..paths import MAX_DEPTH as PATH_MAX_DEPTH
 MAX_DEPTH = 2 * PATH_MAX_DEPTH  # 64 levels: a manifest's paths are at most 32 segments deep
 MAX_ENTRIES = 2 * MANIFEST_MAX_ENTRIES  # 200 000: a manifest's files, and as many directories
 FLAT_DEPTH = 32  # remove_tree's open directory fds at most
+CLEAR_BATCH = 10_000  # remove_tree's entries held in memory at once, per directory
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
@@ -45,6 +47,7 @@ class TreeRefused(Exception):
 class Totals:
     size: int = 0  # the regular files' st_size: what they claim to hold
     blocks: int = 0  # bytes the regular files occupy on disk (st_blocks * 512): a sparse file's are few
+    complete: bool = True  # False: a lenient walk stopped at a bound, so more may be there than counted
 
 
 class _Stop(Exception):
@@ -52,13 +55,15 @@ class _Stop(Exception):
 
 
 def walk(path: Path, on_entry: OnEntry, on_dir: OnDir = lambda fd, rel: None, *, strict: bool = True,
-         max_depth: int = MAX_DEPTH, max_entries: int = MAX_ENTRIES) -> None:
+         max_depth: int = MAX_DEPTH, max_entries: int = MAX_ENTRIES) -> bool:
     """Depth first under `path` (the caller's own directory): `on_dir` gets each directory's fd before it is
     listed, `on_entry` each entry that is not a directory. Strict: past a bound TreeRefused, other errors
-    raised. Lenient: stops at a bound, skips what cannot be opened or vanished (the tree is being written)."""
+    raised. Lenient: stops at a bound, skips what cannot be opened or vanished (the tree is being written).
+    Returns False when a lenient walk left something unwalked at a bound."""
     root = os.open(path, DIR_FLAGS)
     stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(()))]  # every open fd, the root's first
     budget = [max_entries, max_entries]  # (left, the bound)
+    complete = True
     try:
         device = os.fstat(root).st_dev
         stack[0] = (root, "", iter(_step(root, "", on_dir, on_entry, budget, strict)))
@@ -71,15 +76,17 @@ def walk(path: Path, on_entry: OnEntry, on_dir: OnDir = lambda fd, rel: None, *,
             if len(stack) > max_depth:
                 if strict:
                     raise TreeRefused(f"a directory more than {max_depth} levels deep ({_shown(rel + name)})")
+                complete = False
                 continue
             child = _open_dir(fd, name, rel, on_entry, strict)
             if child is not None:
                 stack.append(_descend(child, f"{rel}{name}/", device, on_dir, on_entry, budget, strict))
     except _Stop:
-        pass
+        complete = False
     finally:
         for fd, _, _ in stack:
             os.close(fd)
+    return complete
 
 
 def _descend(fd: int, rel: str, device: int, on_dir: OnDir, on_entry: OnEntry, budget: list[int],
@@ -199,15 +206,30 @@ def _own_file(dir_fd: int, name: str, listed: os.stat_result):
             return False
         _own(fd)
         os.fchmod(fd, 0o444)
-        return st
+        return st if _no_writer(fd) else False
     finally:
         os.close(fd)
 
 
-def used_bytes(path: Path) -> int:
-    """Bytes the regular files under `path` (a slot being written) occupy on disk: st_blocks, so a sparse
-    file counts what it holds. Only lstat relative to directory fds (no link followed, no file opened);
-    up to the bounds, skipping what vanishes; never raises (0 when `path` is gone)."""
+def _no_writer(fd: int) -> bool:
+    """Whether nothing holds the file open for writing, or mapped writable: the kernel grants a read lease
+    only then. The chmod above stops new writers, not one the pod (or a process it handed an fd) still has,
+    which could change the bytes after they are verified. A filesystem without leases proves nothing."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EBUSY, errno.EINVAL):
+            return False
+        raise
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return True
+
+
+def used_bytes(path: Path) -> Totals:
+    """Bytes the regular files under `path` (a slot being written) occupy on disk (`blocks`: st_blocks, so a
+    sparse file counts what it holds). Only lstat relative to directory fds (no link followed, no file
+    opened); up to the bounds (`complete` False past one: more may be hidden there), skipping what vanishes;
+    never raises (nothing when `path` is gone)."""
     totals = Totals()
 
     def count(dir_fd: int, name: str, st: os.stat_result, rel: str) -> None:
@@ -215,8 +237,8 @@ def used_bytes(path: Path) -> int:
             totals.blocks += st.st_blocks * 512
 
     with contextlib.suppress(OSError):  # gone, or a directory that vanished: what was counted
-        walk(path, count, strict=False)
-    return totals.blocks
+        totals.complete = walk(path, count, strict=False)
+    return totals
 
 
 def open_to(path: Path, dir_mode: int, file_mode: int | None = None, *, root_too: bool = True) -> None:
@@ -244,11 +266,12 @@ def remove_tree(path: Path) -> None:
     each directory is made the agent's and 0700 before it is listed, its entries unlinked by name, and a
     directory deeper than FLAT_DEPTH renamed up under `path` first (at most FLAT_DEPTH fds open, any depth)."""
     root = os.open(path, DIR_FLAGS)
-    stack: list[tuple[int, str, list[str]]] = []
+    stack: list[tuple[int, str, list[str]]] = [(root, "", [])]  # every open fd, the root's first
     flat = f".ferry-flat-{uuid.uuid4().hex[:8]}-"
     moved = 0
     try:
-        stack.append((root, "", _clear(root)))
+        device = os.fstat(root).st_dev
+        stack[0][2].extend(_clear(root))
         while stack:
             fd, _, subdirs = stack[-1]
             if not subdirs:
@@ -267,6 +290,8 @@ def remove_tree(path: Path) -> None:
             child = _open_dir(fd, name, "", _unlink, strict=True)
             if child is not None:
                 try:
+                    if os.fstat(child).st_dev != device:
+                        raise TreeRefused(f"{name!r} is on another filesystem: not removed")
                     stack.append((child, name, _clear(child)))
                 except BaseException:
                     os.close(child)
@@ -280,18 +305,40 @@ def remove_tree(path: Path) -> None:
 
 def _clear(fd: int) -> list[str]:
     """Make the directory `fd` the agent's and 0700 (no one else adds to it now), unlink all but its
-    subdirectories, and return their names."""
+    subdirectories, and return the names of those not empty. At most CLEAR_BATCH files are held at once (a
+    directory of millions of files is cleared batch by batch), and an empty subdirectory is removed as met."""
     _own(fd)
     os.fchmod(fd, 0o700)
-    subdirs = []
-    with os.scandir(fd) as listing:
-        items = list(listing)
-    for item in items:
-        if item.is_dir(follow_symlinks=False):
-            subdirs.append(item.name)
-        else:
-            _unlink(fd, item.name)
-    return subdirs
+    subdirs: list[str] = []
+    seen: set[str] = set()
+    while True:
+        files = []
+        with os.scandir(fd) as listing:
+            for item in listing:
+                if not item.is_dir(follow_symlinks=False):
+                    files.append(item.name)
+                    if len(files) >= CLEAR_BATCH:
+                        break
+                elif item.name not in seen:
+                    seen.add(item.name)
+                    if not _removed_empty(fd, item.name):
+                        subdirs.append(item.name)
+        for name in files:
+            _unlink(fd, name)
+        if len(files) < CLEAR_BATCH:
+            return subdirs
+
+
+def _removed_empty(dir_fd: int, name: str) -> bool:
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EACCES, errno.EPERM):
+            return False
+        raise
 
 
 def _unlink(dir_fd: int, name: str, *_) -> None:

@@ -165,7 +165,7 @@ class CacheStore:
         """Bytes of the complete entries and of the fills under way (a fill pod's slot counts the bytes it
         declared until it has written more: room made for one fill is not given to the next)."""
         done = sum(self._meta(k).get("bytes", 0) for k in self.keys())
-        return done + sum(max(used_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir())
+        return done + sum(max(used_bytes(p).blocks, self._declared(p.name)) for p in (self.root / "filling").iterdir())
 
     def _declared(self, key: str) -> int:
         """The bytes a slot reserves: what its fill pod declared, until `reservation_s` has passed."""
@@ -194,10 +194,16 @@ class CacheStore:
         return record if isinstance(record, dict) else {}
 
     def namespace_usage(self, namespace: str, but: str = "") -> int:
-        """Bytes `namespace` holds on this node: the entries its fill pods brought, and its slots (but `but`)."""
+        """Bytes `namespace` holds on this node: the entries its fill pods brought, and its slots (but `but`). A
+        slot too deep or too wide to count whole (bytes may hide past the bounds) counts as the whole share."""
         done = sum(self._meta(k).get("bytes", 0) for k in self.keys() if self._meta(k).get("namespace") == namespace)
-        return done + sum(max(used_bytes(p), self._declared(p.name)) for p in (self.root / "filling").iterdir()
+        return done + sum(self._slot_bytes(p) for p in (self.root / "filling").iterdir()
                           if p.name != but and self._reservation(p.name).get("namespace") == namespace)
+
+    def _slot_bytes(self, slot: Path) -> int:
+        used = used_bytes(slot)
+        hidden = 0 if used.complete else self.fairness.namespace_share
+        return max(used.blocks, self._declared(slot.name), hidden)
 
     # -- filling ---------------------------------------------------------------------------------------------
     def fill(self, source: Path, digest: str, ranks: list[int] | None = None, on_bytes: OnBytes = lambda n: None,
@@ -232,7 +238,7 @@ class CacheStore:
         refused before a byte moves."""
         with self._lock(key):
             staging = self._taken_over(key)  # what an earlier fill left: root's, nothing but files and directories
-            needed = max(0, nbytes - used_bytes(staging))
+            needed = max(0, nbytes - used_bytes(staging).blocks)
             self._fit_share(namespace, needed, key)
             self._make_room(needed, key)
             # Reserved until adopted or dropped, or reservation_s passed.
