@@ -57,6 +57,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ from ..manifest import (
     read_manifest_bytes,
 )
 from ..paths import unlink_beneath
-from .slot_tree import TreeRefused, open_to, remove_tree, take_over, used_bytes
+from .slot_tree import TreeRefused, open_to, remove_tree, take_over, used_bytes, walk
 
 OnBytes = Callable[[int], None]
 log = logging.getLogger(__name__)
@@ -680,36 +681,14 @@ def _verified_in_place(staging: Path, entry) -> bool:
 
 
 def _sweep(staging: Path, keep: set[str]) -> None:
-    """Remove every symlink, and every regular file not in `keep`, under `staging`: depth first, each
-    directory opened relative to its parent without following a symlink, one open fd per level."""
-    stack: list[tuple[str, int, Iterator[str]]] = []
-    try:
-        stack.append(_sweep_dir("", os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), keep))
-        while stack:
-            prefix, fd, subdirs = stack[-1]
-            name = next(subdirs, None)
-            if name is None:
-                os.close(stack.pop()[1])
-                continue
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-            stack.append(_sweep_dir(f"{prefix}{name}/", os.open(name, flags, dir_fd=fd), keep))
-    finally:
-        for _, fd, _ in stack:
-            os.close(fd)
+    """Remove every symlink, and every regular file not in `keep`, under `staging` (slot_tree.walk: each
+    directory opened relative to its parent without following a link, one fd per level, no recursion)."""
+    def drop(dir_fd: int, name: str, st: os.stat_result, rel: str) -> None:
+        if stat.S_ISLNK(st.st_mode) or (stat.S_ISREG(st.st_mode) and rel not in keep):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)
 
-
-def _sweep_dir(prefix: str, fd: int, keep: set[str]) -> tuple[str, int, Iterator[str]]:
-    """Unlink what does not belong in the directory `fd` (its path `prefix`); (prefix, fd, its subdirectories)."""
-    try:
-        with os.scandir(fd) as listing:
-            items = list(listing)
-        for item in items:
-            if item.is_symlink() or (item.is_file(follow_symlinks=False) and prefix + item.name not in keep):
-                os.unlink(item.name, dir_fd=fd)
-        return prefix, fd, iter([i.name for i in items if not i.is_symlink() and i.is_dir(follow_symlinks=False)])
-    except BaseException:
-        os.close(fd)
-        raise
+    walk(staging, drop)
 
 
 def _fingerprint(tree: Path) -> tuple[str, int]:
