@@ -381,7 +381,7 @@ def test_the_local_executor_cannot_cache_and_says_so():
 
 @pytest.mark.parametrize("path,value,field,words", [
     ("format", {"type": "runai_streamer"}, "spec.serving.nodeCache",
-     "format.type must be safetensors or sharded_state, or runai_streamer with storage.s3"),
+     "format.type must be safetensors, sharded_state or runai_streamer_sharded, or runai_streamer with"),
     ("serving.localCopy", True, "spec.serving.nodeCache", "use one"),
 ])
 def test_admission_names_the_field(path, value, field, words):

@@ -19,7 +19,8 @@ import hashlib
 
 from .api.types import Artifact, FormatType, ModelWeights
 
-OBJECT_STORE_FORMATS = (FormatType.TENSORIZER.value, FormatType.RUNAI_STREAMER.value)
+OBJECT_STORE_FORMATS = (FormatType.TENSORIZER.value, FormatType.RUNAI_STREAMER.value,
+                        FormatType.RUNAI_STREAMER_SHARDED.value)
 
 
 def dns_name(*parts: str, limit: int = 63) -> str:

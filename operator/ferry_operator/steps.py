@@ -39,6 +39,8 @@ SHAPING_FORMAT_FIELDS = {
     FormatType.SHARDED_STATE.value: {"tensor_parallel_size", "pipeline_parallel_size", "vllm_version", "max_part_size"},
     FormatType.TENSORIZER.value: {"tensor_parallel_size", "vllm_version", "tensorizer"},
     FormatType.RUNAI_STREAMER.value: set(),
+    FormatType.RUNAI_STREAMER_SHARDED.value: {"tensor_parallel_size", "pipeline_parallel_size", "vllm_version",
+                                              "max_part_size"},
 }
 
 
@@ -53,7 +55,7 @@ def pre_cut(fmt: Format) -> bool:
     (sharded_state; tensorizer's vllm layout), rather than the checkpoint's tensors."""
     if fmt.type == FormatType.TENSORIZER.value:
         return fmt.tensorizer is None or fmt.tensorizer.layout == "vllm"
-    return fmt.type == FormatType.SHARDED_STATE.value
+    return fmt.type in (FormatType.SHARDED_STATE.value, FormatType.RUNAI_STREAMER_SHARDED.value)
 
 
 def moe_shaping(fmt: Format) -> dict[str, object]:
@@ -125,6 +127,15 @@ def s3_store_env(s3: S3Storage | None, secret: SecretRef | None) -> list[dict]:
     return env
 
 
+def shard_argv(fmt: Format, source: str, output: str) -> tuple[str, ...]:
+    return ("shard", "--source", source, "--output", output,
+            "--tensor-parallel-size", str(fmt.tensor_parallel_size),
+            "--pipeline-parallel-size", str(fmt.pipeline_parallel_size),
+            "--vllm-version", fmt.vllm_version,
+            "--max-part-size", str(int(parse_quantity(fmt.max_part_size))),
+            *moe_argv(fmt))
+
+
 def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
     """The ordered steps that turn the source into the artifact; empty if nothing is prepared."""
     digest = spec_digest(spec)
@@ -132,15 +143,15 @@ def prepare_steps(spec: ModelWeightsSpec) -> list[Step]:
     if fmt.type == FormatType.SAFETENSORS.value:
         return [Step("fetch", fetch_argv(spec, "{artifact}"), digest)]
     if fmt.type == FormatType.SHARDED_STATE.value:
-        shard = (
-            "shard", "--source", "{staging}", "--output", "{artifact}",
-            "--tensor-parallel-size", str(fmt.tensor_parallel_size),
-            "--pipeline-parallel-size", str(fmt.pipeline_parallel_size),
-            "--vllm-version", fmt.vllm_version,
-            "--max-part-size", str(int(parse_quantity(fmt.max_part_size))),
-            *moe_argv(fmt),
-        )
-        return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("shard", shard, digest)]
+        return [Step("fetch", fetch_argv(spec, "{staging}"), digest), Step("shard", shard_argv(fmt, "{staging}",
+                                                                                            "{artifact}"), digest)]
+    if fmt.type == FormatType.RUNAI_STREAMER_SHARDED.value:
+        # Cut on the claim beside the fetched checkpoint (both go with the staging directory once the artifact
+        # is recorded), then the rank files and manifest published into storage.s3, which vLLM streams.
+        checkpoint, cut = "{staging}/checkpoint", "{staging}/cut"
+        return [Step("fetch", fetch_argv(spec, checkpoint), digest),
+                Step("shard", shard_argv(fmt, checkpoint, cut), digest),
+                Step("publish", ("publish", "--source", cut, "--output", "{artifact}"), digest)]
     if fmt.type == FormatType.TENSORIZER.value:
         options = fmt.tensorizer
         tensorize = [

@@ -197,3 +197,29 @@ def standin_deployment(kube, name: str) -> None:
                 "spec": {"replicas": 1, "selector": {"matchLabels": labels},
                          "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                          "progressDeadlineSeconds": 600, "template": standin_template(kube, name)}})
+
+
+def job_pods(kube, name: str) -> list[dict]:
+    """The pods of this object's prepare steps (not of the Job that removes its staging afterwards)."""
+    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name},ferry.dev/step!=staging")[
+        "items"]
+
+
+# Secret keys that would run a tenant's code in the prepare pod, were the Secret imported whole (envFrom). The
+# paths are on the claim the prepare pod mounts at /weights (where test_node_cache_on_node.py plants the code).
+HOSTILE_KEYS = {"PYTHONPATH": "/weights/evil", "LD_PRELOAD": "/weights/evil/hook.so", "TENANT_NOTE": "x"}
+
+
+def assert_no_hostile_env(kube, name: str, keys: dict[str, str] = HOSTILE_KEYS) -> None:
+    """No Job pod of `name` got a Secret key it does not use: credentials by secretKeyRef only, never
+    envFrom, so PYTHONPATH and LD_PRELOAD never reached the prepare pod (glibc would have said so on stderr
+    for a preload it could not open)."""
+    for pod in job_pods(kube, name):
+        for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+            assert "envFrom" not in c, (pod["metadata"]["name"], c["envFrom"])
+            assert not {e["name"] for e in c.get("env") or []} & set(keys), (pod["metadata"]["name"], c["env"])
+            for e in c.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                assert ref is None or ref["key"] == e["name"], e  # each key under its own name
+        log = kube.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, check=False).stdout
+        assert "LD_PRELOAD" not in log and "ld.so" not in log, log[-2000:]

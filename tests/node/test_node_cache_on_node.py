@@ -32,8 +32,9 @@ from ferry_worker.cache.store import cache_key
 from ferry_worker.load.selection import select
 from ferry_worker.manifest import manifest_digest, read_manifest
 from ferry_worker.shard.job import ShardJob
-from node_support import (NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, claim_dir, condition, modelweights, mw_status,
-                          pods_of, s3_secret, standin_deployment, unique, upload_dir, wait_ready, wait_stalled)
+from node_support import (CHART, HOSTILE_KEYS, NAMESPACE, NODE_CACHE_HIGH, NODE_CACHE_LOW, assert_no_hostile_env, claim_dir,
+                          condition, helm, modelweights, mw_status, pods_of, s3_secret, standin_deployment,
+                          unique, upload_dir, wait_ready, wait_stalled)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 DRIVER = "cache.ferry.dev"
@@ -197,6 +198,65 @@ def clear_cache() -> None:
             (cache_dir() / "meta" / f"{entry.name}.json").unlink(missing_ok=True)
 
 
+# -- a tenant's attack on the node (issue 29) ---------------------------------------------------------------
+# Code a tenant plants on her own claim, for the PYTHONPATH/LD_PRELOAD keys of her Secret (HOSTILE_KEYS). Were
+# it ever run in a prepare pod, it would say so (a marker on the claim and a line on stderr) and, at exit, add an
+# entry to every manifest under /weights naming the canary in another pod's emptyDir on the node, by an absolute
+# path and by a `..` path: the entries the root agent's slot adoption would once have unlinked.
+SITECUSTOMIZE = """\
+import atexit, glob, json, os, sys
+open("/weights/evil/RAN", "w").write("ran")
+print("EVIL CODE RAN", file=sys.stderr)
+def _poison():
+    for m in glob.glob("/weights/**/ferry-manifest.json", recursive=True):
+        try:
+            doc = json.load(open(m))
+            for path in (CANARY, "../" * 24 + CANARY.lstrip("/")):
+                doc["files"].append({"path": path, "size": 7, "sha256": "0" * 64})
+            json.dump(doc, open(m, "w"))
+        except Exception:
+            pass
+atexit.register(_poison)
+"""
+
+
+def victim_canary(kube, namespace: str) -> tuple[str, Path]:
+    """Another team's pod on the node with a canary file in its emptyDir: (its name, the file on the host)."""
+    name = unique("victim")
+    kube.kubectl("create", "namespace", namespace, check=False)
+    busybox = localcluster.built_images()["busybox"]["ref"]
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": {
+        "securityContext": POD_SECURITY, "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 0,
+        "containers": [{"name": "victim", "image": busybox, "imagePullPolicy": "Never", "securityContext":
+                        CONTAINER_SECURITY, "command": ["sh", "-c", "echo canary > /scratch/canary; exec sleep 3600"],
+                        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
+        "volumes": [{"name": "scratch", "emptyDir": {}}]}})
+    wait_phase(kube, namespace, name, "Running")
+    uid = kube.get_json("pod", name, "-n", namespace)["metadata"]["uid"]
+    canary = localcluster.node_paths().kubelet_root / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / "scratch"
+    wait_for(lambda: (canary / "canary").is_file(), "the victim's canary written")
+    return name, canary / "canary"
+
+
+def tenant_claim_with_code(kube, claim: str, canary: Path) -> None:
+    """The tenant's own claim, with SITECUSTOMIZE and a bogus preload library planted by her own pod."""
+    kube.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NAMESPACE},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    code = f"CANARY = {str(canary)!r}\n{SITECUSTOMIZE}"
+    script = ('mkdir -p /weights/evil && cat > /weights/evil/sitecustomize.py <<"PY"\n' + code + 'PY\n'
+              'echo "not an ELF object" > /weights/evil/hook.so')
+    busybox = localcluster.built_images()["busybox"]["ref"]
+    planter = unique("planter")
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": planter, "namespace": NAMESPACE}, "spec": {
+        "restartPolicy": "Never", "securityContext": POD_SECURITY, "automountServiceAccountToken": False,
+        "containers": [{"name": "plant", "image": busybox, "imagePullPolicy": "Never", "command": ["sh", "-c", script],
+                        "securityContext": CONTAINER_SECURITY,
+                        "volumeMounts": [{"name": "weights", "mountPath": "/weights"}]}],
+        "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": claim}}]}})
+    wait_phase(kube, NAMESPACE, planter, "Succeeded")
+    delete_pods(kube, NAMESPACE, planter)
+
+
 # -- tests -----------------------------------------------------------------------------------------------------
 def test_the_kubelet_registers_the_agent_as_a_csi_driver(node, chart_operator):
     def registered():
@@ -326,23 +386,85 @@ def test_eviction_is_lru_spares_mounted_entries_and_refuses_what_cannot_fit(node
             delete_pods(node, ns, name)
 
 
+def set_namespace_share(kube, chart: dict, share: str) -> None:
+    """`helm upgrade` of the session's chart with nodeCache.namespaceShare=`share`, the agent rolled to it."""
+    proc = helm("upgrade", chart["release"], str(CHART), "--namespace", chart["namespace"], "--reuse-values",
+                "--set-string", f"nodeCache.namespaceShare={share}", "--wait", "--timeout", "180s", check=False)
+    assert proc.returncode == 0, proc.stderr
+    wait_for(lambda: f"--namespace-share {share}" in " ".join(agent_pod(kube, chart["namespace"])["spec"][
+        "containers"][0]["command"]) and agent_ready(kube, chart["namespace"]), f"the agent with share {share}")
+
+
+def agent_ready(kube, namespace: str) -> bool:
+    return all(c.get("ready") for c in agent_pod(kube, namespace)["status"].get("containerStatuses") or [{}])
+
+
+def test_one_namespaces_fill_past_its_share_is_refused_and_anothers_entry_survives(node, chart_operator, artifacts):
+    """Two namespaces, each with its share of the node's cache (nodeCache.namespaceShare, the chart's value,
+    set for this test). The watched namespace holds an idle one-rank entry; a pod of another namespace declares a
+    fill larger than its share. The agent refuses that mount, naming the namespace and its share, and the first
+    namespace's entry stays. Without the share it would have gone: the declared bytes plus the entry pass the
+    high watermark, and an idle entry is what the cache evicts to make room."""
+    a = artifacts["a"]
+    image, namespace = chart_operator["image"], chart_operator["namespace"]
+    share, oversized = a.nbytes([0]) + 100_000, NODE_CACHE_HIGH - a.nbytes([0]) + 100_000
+    assert oversized > share and oversized + a.nbytes([0]) > NODE_CACHE_HIGH >= oversized
+    clear_cache()
+    made: list[tuple[str, str]] = []
+    set_namespace_share(node, chart_operator, str(share))
+    try:
+        wait_phase(node, NAMESPACE, fill_pod(node, image, unique("fill"), a, [0]), "Succeeded")
+        wait_for(lambda: published(a.key([0])), "the watched namespace's entry published")
+        # The other namespace's fill: its pod declares the bytes (a tenant's own pod can say anything); the
+        # agent decides at the mount, before a byte moves, so the pod needs no source.
+        hog = unique("hog")
+        made.append((RESTRICTED_NS, hog))
+        attrs = {"digest": artifacts["b"].digest, "mode": "fill", "bytes": str(oversized)}
+        node.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": hog, "namespace": RESTRICTED_NS}, "spec": {
+            "restartPolicy": "Never", "securityContext": POD_SECURITY, "automountServiceAccountToken": False,
+            "containers": [{"name": "fill", "image": image, "imagePullPolicy": "Never", "command": ["sh", "-c", "true"],
+                            "securityContext": CONTAINER_SECURITY,
+                            "volumeMounts": [{"name": "slot", "mountPath": "/slot"}]}],
+            "volumes": [{"name": "slot", "csi": {"driver": DRIVER, "volumeAttributes": attrs}}]}})
+        messages = wait_for(lambda: mount_failures(node, RESTRICTED_NS, hog), "the oversized fill's FailedMount")
+        assert "ResourceExhausted" in messages[0] and f"namespace {RESTRICTED_NS}" in messages[0], messages
+        assert f"{share}-byte share" in messages[0], messages
+        assert phase(node, RESTRICTED_NS, hog) == "Pending" and published(a.key([0]))
+        assert f"evicted {a.key([0])}" not in agent_log(node, namespace)
+    finally:
+        for ns, name in made:
+            delete_pods(node, ns, name)
+        set_namespace_share(node, chart_operator, "50%")
+
+
 def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_prewarmed(node, chart_operator,
                                                                                       node_s3, checkpoint):
     """serving.nodeCache through the chart's operator. The wired pod waits for its entry, and the operator
     fills its node (a fill Job), so it passes the loader's gate with the entry mounted read-only; a second
     replica on the same node mounts the same entry with no second fill. Then a new artifact (TP 2 -> 1)
-    with a prewarm of the node: the entry is on the node before the Deployment is patched."""
+    with a prewarm of the node: the entry is on the node before the Deployment is patched.
+
+    The tenant plays the PYTHONPATH attack of issue 29 along the way: her Secret carries PYTHONPATH and
+    LD_PRELOAD keys naming code she planted on her own claim (storage.pvc.name), code that would poison the
+    artifact's manifest with another pod's emptyDir canary for the root agent to adopt. No Job pod sees those
+    variables, the code never runs, and the canary survives the fills and the agent's adoption and eviction."""
     name = unique("nodecache")
     clear_cache()
+    victim, canary = victim_canary(node, RESTRICTED_NS)
+    tenant_claim_with_code(node, f"{name}-own", canary)
     upload_dir(node_s3, name, "tiny-llama", checkpoint)
-    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3, extra=HOSTILE_KEYS)
     standin_deployment(node, name)
     mw = modelweights(name, f"s3://{name}/tiny-llama",
                       {"type": "sharded_state", "tensorParallelSize": 2, "vllmVersion": "0.32"}, secret=f"{name}-s3")
+    mw["spec"]["storage"]["pvc"] = {"name": f"{name}-own"}  # her own claim, reused
     mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], "nodeCache": {"enabled": True}}
     node.apply(mw)
     try:
         digest = wait_ready(node, NAMESPACE, name, timeout=420)["artifact"]["manifestDigest"]
+        assert_no_hostile_env(node, name)
+        planted = claim_dir(node, f"{name}-own") / "evil"
+        assert (planted / "sitecustomize.py").is_file() and not (planted / "RAN").exists()
         # Warm once a fill round's pod found the entry published (the round after the one that filled it).
         cache = wait_for(lambda: (c := mw_status(node, NAMESPACE, name).get("cache") or {}).get("summary") == "1"
                          and c, "the node counted warm", timeout=120)
@@ -420,10 +542,18 @@ def test_a_wired_deployment_serves_from_the_node_cache_and_a_new_artifact_is_pre
             f"involvedObject.name={name},reason=NodeCacheEvicted")["items"]], "the NodeCacheEvicted event")
         assert f"the node cache on {localnode.NODE_NAME} no longer holds the artifact: removed by an admin" in \
             events[0], events
+        # Two fills, two adoptions and two evictions later: the planted code never ran in any Job pod of hers,
+        # and the other pod's canary is whole (read on the host and by the pod itself).
+        assert_no_hostile_env(node, name)
+        assert not (planted / "RAN").exists()
+        assert canary.read_text() == "canary\n"
+        assert node.kubectl("exec", victim, "-n", RESTRICTED_NS, "--", "cat", "/scratch/canary").stdout == "canary\n"
     finally:  # its pods mount a node cache entry: they must go while the agent runs
         node.kubectl("delete", "mw", name, "-n", NAMESPACE, "--wait=false", check=False)
         node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
                      timeout=120)
+        delete_pods(node, RESTRICTED_NS, victim)
+        node.kubectl("delete", "pvc", f"{name}-own", "-n", NAMESPACE, "--wait=false", check=False)
 
 
 def test_a_prewarm_of_another_teams_tainted_node_places_no_pod_there_and_stalls(node, chart_operator, node_s3,

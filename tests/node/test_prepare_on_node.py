@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cluster_support import wait_for
-from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, operator_pod, s3_secret,
-                          unique, upload_dir, wait_ready)
+from node_support import (HOSTILE_KEYS, NAMESPACE, assert_no_hostile_env, claim_dir, condition, job_pods, modelweights,
+                          mw_status, operator_pod, s3_secret, unique, upload_dir, wait_ready)
 
 REPO = Path(__file__).resolve().parents[2]
 import localcluster  # noqa: E402
@@ -22,12 +22,6 @@ import localnode  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 FERRY = Path(sys.executable).with_name("ferry")
-
-
-def job_pods(kube, name: str) -> list[dict]:
-    """The pods of this object's prepare steps (not of the Job that removes its staging afterwards)."""
-    return kube.get_json("pods", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name},ferry.dev/step!=staging")[
-        "items"]
 
 
 def assert_ran_for_real(kube, name: str, steps: set[str]) -> None:
@@ -41,24 +35,6 @@ def assert_ran_for_real(kube, name: str, steps: set[str]) -> None:
         assert cs["containerID"].startswith("containerd://")
         # The worker's own result, written to /dev/termination-log by uid 65532.
         assert json.loads(term["message"])["manifestDigest"].startswith("sha256:")
-
-
-HOSTILE_KEYS = {"PYTHONPATH": "/ferry/evil", "LD_PRELOAD": "/ferry/evil/hook.so", "TENANT_NOTE": "x"}
-
-
-def assert_no_hostile_env(kube, name: str) -> None:
-    """No Job pod of `name` got a Secret key it does not use: credentials by secretKeyRef only, never
-    envFrom, so PYTHONPATH and LD_PRELOAD never reached the prepare pod (glibc would have said so on stderr
-    for a preload it could not open)."""
-    for pod in job_pods(kube, name):
-        for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
-            assert "envFrom" not in c, (pod["metadata"]["name"], c["envFrom"])
-            assert not {e["name"] for e in c.get("env") or []} & set(HOSTILE_KEYS), (pod["metadata"]["name"], c["env"])
-            for e in c.get("env") or []:
-                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
-                assert ref is None or ref["key"] == e["name"], e  # each key under its own name
-        log = kube.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, check=False).stdout
-        assert "LD_PRELOAD" not in log and "ld.so" not in log, log[-2000:]
 
 
 def worker_requests(name: str) -> list[dict]:

@@ -278,6 +278,7 @@ class FormatType(str, Enum):
     SHARDED_STATE = "sharded_state"
     TENSORIZER = "tensorizer"
     RUNAI_STREAMER = "runai_streamer"
+    RUNAI_STREAMER_SHARDED = "runai_streamer_sharded"
 
 
 class ExpertPlacement(str, Enum):
@@ -365,7 +366,8 @@ class Format(Model):
             "vLLM --load-format. safetensors: plain copy into a PVC. sharded_state: pre-cut "
             "per tensor-parallel rank into a PVC, each rank reads only its shard. tensorizer: "
             "serialized into S3 and streamed. runai_streamer: safetensors streamed concurrently "
-            "from S3 at load time."
+            "from S3 at load time. runai_streamer_sharded: cut as sharded_state, published to storage.s3, "
+            "each rank streaming only its own files."
         ),
     )
     tensor_parallel_size: int = Field(1, ge=1, le=512, description="vLLM --tensor-parallel-size.")
@@ -647,13 +649,15 @@ SPEC_RULES = [
     ),
     Rule(
         "!(has(self.serving) && has(self.serving.nodeCache) && self.serving.nodeCache.enabled)"
-        " || self.format.type in ['safetensors', 'sharded_state']"
+        " || self.format.type in ['safetensors', 'sharded_state', 'runai_streamer_sharded']"
         " || (self.format.type == 'runai_streamer' && has(self.storage) && has(self.storage.s3))",
         "the node cache is filled from the artifact Ferry prepared, on its claim or in its storage.s3 prefix: "
-        "format.type must be safetensors or sharded_state, or runai_streamer with storage.s3 (runai_streamer "
-        "streaming straight from the source bucket has no prepared artifact; tensorizer is not cached on nodes)",
+        "format.type must be safetensors, sharded_state or runai_streamer_sharded, or runai_streamer with "
+        "storage.s3 (runai_streamer streaming straight from the source bucket has no prepared artifact; "
+        "tensorizer is not cached on nodes)",
         lambda s: not _node_cache(s) or s.format.type in (FormatType.SAFETENSORS.value,
-                                                           FormatType.SHARDED_STATE.value)
+                                                           FormatType.SHARDED_STATE.value,
+                                                           FormatType.RUNAI_STREAMER_SHARDED.value)
         or (s.format.type == FormatType.RUNAI_STREAMER.value and _has_s3(s)),
         ".serving.nodeCache",
     ),
@@ -664,11 +668,18 @@ SPEC_RULES = [
         ".storage.s3",
     ),
     Rule(
-        "!(self.format.type == 'tensorizer' || (self.format.type == 'runai_streamer' && has(self.storage)"
-        " && has(self.storage.s3))) || (has(self.storage) && has(self.storage.pvc))",
-        "required when the artifact is written to storage.s3 (tensorizer; runai_streamer with storage.s3): the "
-        "checkpoint is fetched to the claim first, and a retried step resumes from it",
-        lambda s: not (s.format.type == FormatType.TENSORIZER.value
+        "self.format.type != 'runai_streamer_sharded' || (has(self.storage) && has(self.storage.s3))",
+        "required when format.type is runai_streamer_sharded (the rank files are published to storage.s3, "
+        "which vLLM streams them from; for rank files on a claim use sharded_state)",
+        lambda s: s.format.type != FormatType.RUNAI_STREAMER_SHARDED.value or _has_s3(s),
+        ".storage.s3",
+    ),
+    Rule(
+        "!(self.format.type in ['tensorizer', 'runai_streamer_sharded'] || (self.format.type == 'runai_streamer'"
+        " && has(self.storage) && has(self.storage.s3))) || (has(self.storage) && has(self.storage.pvc))",
+        "required when the artifact is written to storage.s3 (tensorizer, runai_streamer_sharded; runai_streamer "
+        "with storage.s3): the checkpoint is fetched to the claim first, and a retried step resumes from it",
+        lambda s: not (s.format.type in (FormatType.TENSORIZER.value, FormatType.RUNAI_STREAMER_SHARDED.value)
                        or (s.format.type == FormatType.RUNAI_STREAMER.value and _has_s3(s))) or _has_pvc(s),
         ".storage.pvc",
     ),
@@ -691,10 +702,10 @@ SPEC_RULES = [
         ".format.type",
     ),
     Rule(
-        "self.format.type != 'sharded_state' || self.format.pipelineParallelSize == 1"
+        "!(self.format.type in ['sharded_state', 'runai_streamer_sharded']) || self.format.pipelineParallelSize == 1"
         " || int(self.format.vllmVersion.split('.')[0]) > 0 || int(self.format.vllmVersion.split('.')[1]) >= 32",
         "sharded_state with pipelineParallelSize > 1 needs format.vllmVersion >= 0.32 (per-stage file names)",
-        lambda s: s.format.type != FormatType.SHARDED_STATE.value
+        lambda s: s.format.type not in (FormatType.SHARDED_STATE.value, FormatType.RUNAI_STREAMER_SHARDED.value)
         or s.format.pipeline_parallel_size == 1
         or _version_at_least(s.format.vllm_version, (0, 32)),
         ".format.pipelineParallelSize",
