@@ -52,6 +52,10 @@ VALID = {
         format={"type": "runai_streamer", "tensorParallelSize": 2},
         storage={"pvc": {"size": "200Gi"}, "s3": {"uri": "s3://ferry-artifacts/llama"}},
     ),
+    "runai-sharded-to-s3": manifest(
+        format={"type": "runai_streamer_sharded", "tensorParallelSize": 4, "expertParallel": True},
+        storage={"pvc": {"size": "200Gi"}, "s3": {"uri": "s3://ferry-artifacts/qwen3-moe"}},
+    ),
     "runai-from-s3-source": manifest(
         source={"uri": "s3://models/qwen2-7b"}, storage=None,
         format={"type": "runai_streamer", "runaiStreamer": {"concurrency": 32, "memoryLimit": -1}},
@@ -98,6 +102,16 @@ INVALID = [
      "required when format.type is safetensors or sharded_state"),
     ("runai-needs-s3", manifest(storage=None, format={"type": "runai_streamer"}), "spec.format.type",
      "runai_streamer streams from S3"),
+    ("runai-sharded-needs-storage-s3", manifest(source={"uri": "s3://models/qwen"},
+                                               format={"type": "runai_streamer_sharded", "tensorParallelSize": 2}),
+     "spec.storage.s3", "required when format.type is runai_streamer_sharded"),
+    ("runai-sharded-needs-pvc", manifest(format={"type": "runai_streamer_sharded", "tensorParallelSize": 2},
+                                         storage={"s3": {"uri": "s3://bucket/x"}}),
+     "spec.storage.pvc", "the checkpoint is fetched to the claim first"),
+    ("runai-sharded-no-streamer-options", manifest(
+        format={"type": "runai_streamer_sharded", "runaiStreamer": {"concurrency": 4}},
+        storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x"}}),
+     "spec.format.runaiStreamer", "only valid when format.type is runai_streamer"),
     ("tensorizer-options-wrong-format", with_("format.tensorizer", {"numReaders": 2}), "spec.format.tensorizer",
      "only valid when format.type is tensorizer"),
     ("deployment-name", with_("serving.deployments", [{"name": "Llama_VLLM"}]), "spec.serving.deployments[0].name",

@@ -116,12 +116,13 @@ RUNAI_S3 = manifest(format={"type": "runai_streamer", "tensorParallelSize": 2}, 
 S3_FACTS = ArtifactFacts(uri="s3://ferry-artifacts/llama/abc", total_bytes=3 << 30, manifest_digest=DIGEST)
 
 
-def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_back():
-    """runai_streamer published to storage.s3: the pods mount the node's entry and stream it from local disk
-    (vLLM's runai_streamer reads a directory too), with no S3 endpoint or credentials; turned off, the
-    store's URI and credentials come back and the volume goes."""
+@pytest.mark.parametrize("load_format", ["runai_streamer", "runai_streamer_sharded"])
+def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_back(load_format):
+    """runai_streamer (or its sharded form) published to storage.s3: the pods mount the node's entry and
+    stream it from local disk (vLLM's Run:ai loaders read a directory too), with no S3 endpoint or
+    credentials; turned off, the store's URI and credentials come back and the volume goes."""
     def spec(cache: bool):
-        obj = with_("serving.nodeCache", {"enabled": cache}, RUNAI_S3)
+        obj = with_("serving.nodeCache", {"enabled": cache}, with_("format.type", load_format, RUNAI_S3))
         return parse({**obj, "metadata": {**obj["metadata"], "generation": 2, "namespace": "ml", "uid": "u-1"}})
 
     def wire(m, current: WorkloadFacts):
@@ -133,7 +134,7 @@ def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_
     pod, on_cache = wire(spec(True), deployment())
     (c,) = pod["containers"]
     assert "/ferry/weights" in c["args"] and not any("s3://" in a for a in c["args"])
-    assert c["args"][c["args"].index("--load-format") + 1] == "runai_streamer"
+    assert c["args"][c["args"].index("--load-format") + 1] == load_format
     assert next(v for v in pod["volumes"] if v["name"] == "ferry-weights")["csi"]["volumeAttributes"] == {
         "digest": DIGEST}
     (init,) = pod["initContainers"]

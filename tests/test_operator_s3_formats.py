@@ -1,6 +1,6 @@
 """The object-store formats end to end on the embedded default: the operator
 (local executor) fetches a checkpoint, tensorizes it (or publishes it for the
-Run:ai streamer) into storage.s3 on the real S3 server process, records the
+Run:ai streamer, whole or cut per rank: runai_streamer_sharded) into storage.s3 on the real S3 server process, records the
 artifact, wires the Deployment with the flags and environment vLLM 0.32 reads
 (no secret value in it), and with deletionPolicy Delete removes exactly the
 prefix it wrote."""
@@ -55,7 +55,9 @@ def keys(s3: S3Server, prefix: str) -> set[str]:
      {"model-rank-000.tensors", "model-rank-001.tensors"}),
     ({"type": "runai_streamer", "tensorParallelSize": 2, "runaiStreamer": {"concurrency": 8}},
      {"model.safetensors.index.json", "model-00001-of-00002.safetensors"}),
-], ids=["tensorizer-tp2", "runai-published"])
+    ({"type": "runai_streamer_sharded", "tensorParallelSize": 2},
+     {"model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"}),
+], ids=["tensorizer-tp2", "runai-published", "runai-sharded-tp2"])
 def test_prepared_into_s3_wired_and_deleted(crd, namespace, operator, s3, tmp_path, fmt, files):
     source = tmp_path / "tiny-llama"
     write_checkpoint(source, LLAMA3)
@@ -92,11 +94,15 @@ def test_prepared_into_s3_wired_and_deleted(crd, namespace, operator, s3, tmp_pa
     args = c["args"]
     assert args[args.index("--model") + 1] == artifact["uri"]
     assert args[args.index("--load-format") + 1] == fmt["type"]
-    extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    extra = json.loads(args[args.index("--model-loader-extra-config") + 1]) if "--model-loader-extra-config" in \
+        args else None
     if fmt["type"] == "tensorizer":
         assert extra == {"tensorizer_uri": f"{artifact['uri']}/model-rank-%03d.tensors", "num_readers": 2}
-    else:
+    elif fmt["type"] == "runai_streamer":
         assert extra == {"concurrency": 8}
+    else:  # vLLM's ShardedStateLoader takes no extra config but a file pattern; the rank files are the default's
+        assert extra is None and not any(k.endswith(".safetensors") and "rank" not in k for k in stored), stored
     env = {e["name"]: e for e in c["env"]}
     assert env["AWS_ENDPOINT_URL"]["value"] == s3.endpoint
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "store", "key": "AWS_ACCESS_KEY_ID",

@@ -195,6 +195,24 @@ def test_runai_streamer_with_storage_s3_publishes_the_safetensors():
     assert [s.name for s in prepare_steps(m.spec)] == ["fetch", "publish"]
 
 
+def test_runai_streamer_sharded_cuts_on_the_claim_and_publishes_the_rank_files():
+    """Fetched beside the cut, both under the staging directory (removed once the artifact is recorded); the
+    cut is sharded_state's, for the same shaping fields; the rank files and manifest go to storage.s3."""
+    spec = {"type": "runai_streamer_sharded", "tensorParallelSize": 4, "expertParallel": True}
+    m = mw(manifest(format=spec, storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x"}}))
+    fetch, shard, publish = prepare_steps(m.spec)
+    assert fetch.argv[fetch.argv.index("--output") + 1] == "{staging}/checkpoint"
+    assert shard.argv[:5] == ("shard", "--source", "{staging}/checkpoint", "--output", "{staging}/cut")
+    sharded = mw(manifest(format={**spec, "type": "sharded_state"}))
+    (_, same_cut) = prepare_steps(sharded.spec)
+    assert shard.argv[5:] == same_cut.argv[5:] and "--expert-parallel" in shard.argv
+    assert publish.argv == ("publish", "--source", "{staging}/cut", "--output", "{artifact}")
+    # Its spec digest moves with the cut (TP), unlike runai_streamer's.
+    tp2 = mw(manifest(format={**spec, "tensorParallelSize": 2}, storage={"pvc": {"size": "1Gi"},
+                                                                           "s3": {"uri": "s3://bucket/x"}}))
+    assert prepare_steps(tp2.spec)[0].digest != fetch.digest
+
+
 def test_runai_streamer_from_s3_needs_no_preparation_and_streams_from_the_source():
     m = mw(manifest(source={"uri": "s3://models/qwen", "credentialsSecretRef": {"name": "s3"}}, storage=None,
                     format={"type": "runai_streamer", "runaiStreamer": {"concurrency": 32}}))

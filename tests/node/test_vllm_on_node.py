@@ -279,6 +279,39 @@ def test_vllm_in_a_pod_streams_runai_streamer_from_s3(node, chart_operator, node
         assert f"GET OBJECT Bucket: {name} Object: {prefix}/{weights}" in served_log, served_log[-3000:]
 
 
+@pytest.mark.timeout(timeout_s(2, 1))
+def test_vllm_in_a_pod_streams_its_rank_files_from_s3(node, chart_operator, node_s3, vllm_image, original, reference):
+    """runai_streamer_sharded at TP 2: the operator's Jobs cut the checkpoint on the claim and publish the rank
+    files into storage.s3; the loader checks their sizes and ETags; vLLM's ShardedStateLoader in the pod streams
+    them from the S3 server through the Run:ai streamer, each rank only its own file."""
+    name, mw = start(node, node_s3, original, vllm_image, "vllm-rsharded",
+                     {"type": "runai_streamer_sharded", "tensorParallelSize": 2})
+    mw["spec"]["storage"]["s3"] = {"uri": f"s3://{name}/artifacts", "endpoint": node_s3.endpoint,
+                                   "credentialsSecretRef": {"name": f"{name}-s3"}}
+    node.apply(mw)
+    status = wait_artifact(node, name, 2)
+    uri, digest = status["artifact"]["uri"], status["artifact"]["manifestDigest"]
+    prefix = uri.removeprefix(f"s3://{name}/").rstrip("/")
+    stored = {o["Key"].removeprefix(prefix + "/") for o in node_s3.client().list_objects_v2(
+        Bucket=name, Prefix=prefix + "/")["Contents"]}
+    rank_files = {f"model-rank-{r}-part-0.safetensors" for r in (0, 1)}
+    assert rank_files <= stored and not {k for k in stored if k.endswith(".safetensors")} - rank_files, stored
+    log_from = (node_s3.root / "server.log").stat().st_size
+    pod = serving_pod(node, name, digest)
+    container = check_wiring(pod, model=uri.rstrip("/"), load_format="runai_streamer_sharded", tp=2)
+    assert "--model-loader-extra-config" not in container["args"], container["args"]
+    (loader,) = pod["spec"]["initContainers"]
+    assert loader["args"][:3] == ["load", "--artifact", uri.rstrip("/")], loader["args"]
+    log = check_served(node, name, pod, load_format="runai_streamer_sharded", tp=2,
+                       reference_tokens=reference.results()[1])
+    assert WEIGHTS_LOADED in log and STREAMER_BAR in log, log[-3000:]
+    with open(node_s3.root / "server.log", "rb") as f:
+        f.seek(log_from)
+        served_log = f.read().decode(errors="replace")
+    for rank_file in sorted(rank_files):  # both ranks' files streamed from S3 while the pod ran
+        assert f"GET OBJECT Bucket: {name} Object: {prefix}/{rank_file}" in served_log, served_log[-3000:]
+
+
 @pytest.mark.timeout(timeout_s(1, 1))
 def test_vllm_runs_one_pipeline_stage_per_pod_of_a_leaderworkerset(node, chart_operator, node_s3, vllm_image,
                                                                    original, reference):

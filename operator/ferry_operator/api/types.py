@@ -333,7 +333,8 @@ FORMAT_RULES = [
     ),
     Rule(
         "!has(self.runaiStreamer) || self.type == 'runai_streamer'",
-        "only valid when format.type is runai_streamer",
+        "only valid when format.type is runai_streamer (vLLM's sharded loader, which runai_streamer_sharded "
+        "uses, takes no streamer options)",
         lambda f: f.runai_streamer is None or f.type == FormatType.RUNAI_STREAMER.value,
         ".runaiStreamer",
     ),
