@@ -303,6 +303,35 @@ def fp8_block_scaled(weights: Weights, config: dict, seed: int = 0, routers: boo
     return out
 
 
+def pack_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
+    """The checkpoint as a compressed-tensors pack-quantized release ships it (the layout only: random
+    int32 words, positive scales; tests/worker/shard/ct_checkpoint.py quantizes for real): each linear weight
+    of the decoder layers not in `ignore` becomes weight_packed [out, in / pack] I32, weight_scale
+    [out, in / group or 1] in the model dtype, weight_shape [out, in] I64, and weight_zero_point
+    [out / pack, groups] I32 when asymmetric."""
+    quant = config["quantization_config"]
+    args = next(iter(quant["config_groups"].values()))["weights"]
+    pack, group = 32 // args["num_bits"], args.get("group_size") if args["strategy"] == "group" else None
+    kept = set(quant.get("ignore") or [])
+    rng = np.random.default_rng(seed + 16)
+    out: Weights = {}
+    for name, (dtype, shape, raw) in weights.items():
+        if not fp8_quantized(name, shape, kept, routers=False):
+            out[name] = (dtype, shape, raw)
+            continue
+        stem, (rows, cols) = name.removesuffix("weight"), shape
+        groups = cols // group if group else 1
+        out[stem + "weight_packed"] = ("I32", [rows, cols // pack],
+                                       rng.integers(-2**31, 2**31, size=(rows, cols // pack), dtype=np.int32).tobytes())
+        out[stem + "weight_scale"] = (dtype, [rows, groups], to_dtype_bytes(rng.uniform(1e-3, 1e-2, (rows, groups)),
+                                                                            dtype))
+        out[stem + "weight_shape"] = ("I64", [2], np.array([rows, cols], dtype="<i8").tobytes())
+        if not args.get("symmetric", True):
+            out[stem + "weight_zero_point"] = ("I32", [rows // pack, groups], rng.integers(
+                -2**31, 2**31, size=(rows // pack, groups), dtype=np.int32).tobytes())
+    return out
+
+
 def safetensors_bytes(tensors: Weights) -> bytes:
     header, data, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name, (dtype, shape, raw) in tensors.items():
@@ -355,7 +384,9 @@ def write_checkpoint(directory: Path, case: ModelCase, seed: int = 0,
     directory.mkdir(parents=True, exist_ok=True)
     if weights is None:
         weights = random_weights(case.config, case.dtype, seed)
-        if case.config.get("quantization_config"):
+        if (case.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+            weights = pack_quantized(weights, case.config, seed)
+        elif case.config.get("quantization_config"):
             weights = fp8_block_scaled(weights, case.config, seed)
         for name in case.extra_tensors:  # e.g. a rotary buffer some exporters saved
             weights[name] = ("F32", [8], to_dtype_bytes(np.arange(8), "F32"))

@@ -61,19 +61,7 @@ class BlockFp8:
     def skips(self, module: str) -> bool:
         """Whether vLLM leaves the module built at `module` (its full prefix)
         unquantized: `is_layer_skipped(prefix, ignored, packed, "exact")`."""
-        proj = module.rsplit(".", 1)[-1]
-        if proj in PACKED:
-            if module in self.ignored:
-                return True
-            parts = {part: module.replace(proj, part) in self.ignored for part in PACKED[proj]}
-            if len(set(parts.values())) > 1:
-                raise ShardError(f"config.json quantization_config lists only some parts of {module} as not "
-                                 f"converted ({', '.join(p for p, skipped in parts.items() if skipped)}); vLLM "
-                                 f"refuses a fused layer of mixed precision")
-            return next(iter(parts.values()))
-        if "experts" in module:  # vLLM: any listed name with "experts" in it that contains the prefix
-            return any(module in entry for entry in self.ignored if "experts" in entry)
-        return module in self.ignored
+        return skipped_module(module, self.ignored)
 
     def facts(self) -> dict:
         """For the manifest: what the scales were cut for."""
@@ -81,6 +69,24 @@ class BlockFp8:
                 # Where vLLM has a choice (MoE scales that are not whole blocks per rank) it refines
                 # the grid, or pads with an explicit --moe-backend; cuts needing either are refused.
                 "moeScaleGrid": "checkpoint blocks"}
+
+
+def skipped_module(module: str, ignored: frozenset[str]) -> bool:
+    """Whether `module` (its full prefix) is one the config leaves unquantized, as vLLM matches names: a fused
+    module by its own name or by all of its parts (some parts only: refused, as vLLM refuses it)."""
+    proj = module.rsplit(".", 1)[-1]
+    if proj in PACKED:
+        if module in ignored:
+            return True
+        parts = {part: module.replace(proj, part) in ignored for part in PACKED[proj]}
+        if len(set(parts.values())) > 1:
+            raise ShardError(f"config.json quantization_config lists only some parts of {module} as not "
+                             f"converted ({', '.join(p for p, skipped in parts.items() if skipped)}); vLLM "
+                             f"refuses a fused layer of mixed precision")
+        return next(iter(parts.values()))
+    if "experts" in module:  # vLLM: any listed name with "experts" in it that contains the prefix
+        return any(module in entry for entry in ignored if "experts" in entry)
+    return module in ignored
 
 
 def block_fp8(config: dict) -> BlockFp8 | None:
@@ -130,8 +136,8 @@ def with_scales(family: Family, quant: BlockFp8) -> Family:
     for param in family.layer_params:
         params.append(param)
         if param.linear:
-            sources = tuple(dataclasses.replace(s, hf_name=s.hf_name + SCALE_SUFFIX, block=quant.block)
-                            for s in param.sources)
+            sources = tuple(dataclasses.replace(s, hf_name=s.hf_name + SCALE_SUFFIX, block=quant.block,
+                                                weight=s.hf_name) for s in param.sources)
             params.append(dataclasses.replace(param, name=param.name + SCALE_SUFFIX, sources=sources))
     return dataclasses.replace(family, layer_params=tuple(params))
 
@@ -139,17 +145,20 @@ def with_scales(family: Family, quant: BlockFp8) -> Family:
 def module_of(family: Family, full_name: str, param: Param) -> str:
     """The prefix vLLM built the module holding `full_name` with (the one its
     quantization config is asked about): FusedMoE's for expert stacks."""
-    registered = family.registered_path(full_name.removesuffix(SCALE_SUFFIX))
+    registered = family.registered_path(full_name)
     return registered.rsplit(".", 2 if param.experts else 1)[0]
 
 
 def weight_source(scale: Source) -> Source:
-    return dataclasses.replace(scale, hf_name=scale.hf_name.removesuffix(SCALE_SUFFIX), block=None)
+    """The weight whose cut decides the cut of `scale` (a block tensor: scales, packed values)."""
+    return dataclasses.replace(scale, hf_name=scale.weight, block=None, weight=None)
 
 
 def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The shape of a block tensor covering a weight of `weight_shape`, partial blocks counted (a block of
+    0 columns spans them all)."""
     rows, columns = weight_shape
-    return -(-rows // block[0]), -(-columns // block[1])
+    return -(-rows // block[0]), (-(-columns // block[1]) if block[1] else 1)
 
 
 def check_moe_blocks(dims: ModelDims, tp: int, moe: MoeTarget, quant: BlockFp8) -> None:

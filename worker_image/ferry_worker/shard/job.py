@@ -25,6 +25,7 @@ from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
 from .spans import BlockBuffers, piece_span, read_span
 from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION, parse_vllm_version
+from . import wna16
 from .write import SourceFiles, header_for, write_rank_files
 
 # vLLM's save_sharded_state example splits parts at 5 GiB by default.
@@ -73,6 +74,7 @@ class ShardJob:
         the disk as often as it hashes)."""
         jobs = jobs or max(4, 2 * (os.cpu_count() or 1))
         self._check_tied_copies()
+        self._check_weight_shapes()
         self.output.mkdir(parents=True, exist_ok=True)
         entries = [self._copy_companion(path, on_bytes) for path in self.companions]
         entries += write_rank_files(self.plan.files, self.output, self.checkpoint.tensors, jobs=jobs,
@@ -115,6 +117,24 @@ class ShardJob:
                     raise ShardError(f"config.json ties {copy} to {canonical}, but the checkpoint's {copy} differs; "
                                      f"vLLM releases disagree on which one to serve, so no artifact is written")
 
+    def _check_weight_shapes(self) -> None:
+        """A pack-quantized checkpoint's weight_shape tensors must say what their packed weights hold: a
+        rank keeps only the one vLLM loads last of a fused module's parts, so unshard rebuilds the others
+        from this rule (wna16.unpacked_shape)."""
+        if not isinstance(self.plan.quant, wna16.PackQuantized):
+            return
+        buffers = BlockBuffers()
+        with SourceFiles(self.checkpoint.tensors) as sources:
+            for name, loc in self.checkpoint.tensors.items():
+                if wna16.role(name) != "shape":
+                    continue
+                data = b"".join(read_span(sources.fd(name), piece_span(Rows(name, 0, loc.shape[0]), loc.offset,
+                                                                       loc.dtype, loc.shape), buffers))
+                wanted = wna16.unpacked_shape(self.checkpoint.specs, name, self.plan.quant)
+                if loc.shape != (2,) or data != wna16.shape_bytes(wanted):
+                    raise ShardError(f"{name} does not hold the shape of its packed weight {list(wanted)} "
+                                     f"(weight_packed x {self.plan.quant.pack}); the checkpoint is inconsistent")
+
     def _copy_companion(self, path: Path, on_bytes: Callable[[int], None] | None) -> FileEntry:
         with open(path, "rb") as src, atomic_file(self.output / path.name) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
@@ -134,7 +154,9 @@ class ShardJob:
             "maxPartSize": self.max_part_size,
             "ppLayerPartition": [end - start for start, end in plan.layer_ranges],
             "rankFiles": _rank_files(plan),
-            "sourceTensors": {name: {"dtype": spec.dtype, "shape": list(spec.shape)}
+            # The file only where the cut depends on vLLM's reading order (a pack-quantized weight_shape).
+            "sourceTensors": {name: {"dtype": spec.dtype, "shape": list(spec.shape),
+                                     **({"file": spec.file} if wna16.role(name) == "shape" else {})}
                               for name, spec in sorted(self.checkpoint.specs.items())},
             "skippedTensors": dict(plan.skipped) | {c: f"tied copy of {t}" for c, t in plan.tied_copies.items()},
             **plan.moe_facts(),

@@ -73,6 +73,8 @@ class ModelDims:
         """The length of a symbolic dimension used in the layout tables (`a+b`: a sum)."""
         if "+" in symbol:
             return sum(self.size(part) for part in symbol.split("+"))
+        if symbol.isdigit():  # a literal extent (a packed tensor's recorded [2] shape)
+            return int(symbol)
         extra = dict(self.extra)
         if symbol in extra:
             return extra[symbol]

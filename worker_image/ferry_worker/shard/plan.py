@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Union
 
-from . import fp8
+from . import fp8, wna16
 from .experts import MoeTarget, check_moe, expert_ranks
 from .layouts import Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
@@ -51,6 +51,7 @@ MAX_EXTRA_LAYERS = 8  # DeepSeek-V3 ships 1 multi-token-prediction layer
 class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
+    file: str = ""  # the checkpoint file holding it (vLLM reads files in natural order, keys sorted)
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +125,7 @@ class ShardPlan:
     tied_copies: Mapping[str, str] = field(default_factory=dict)
     moe: MoeTarget = MoeTarget()
     experts: int = 0  # routed experts per MoE layer; 0 for a dense model
-    quant: fp8.BlockFp8 | None = None
+    quant: fp8.BlockFp8 | wna16.PackQuantized | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -161,12 +162,13 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     if refused:
         raise ShardError(f"config.json sets {', '.join(refused)}: vLLM builds modules for it that "
                          f"ferry shard has no layout for")
-    quant = fp8.block_fp8(config)
+    quant = quantization(config)
     if quant is not None:
         if not vllm.fp8_block_layout_known:
-            raise ShardError(f"FP8 block-scaled layouts are checked against vLLM 0.32 onwards; vLLM {vllm} is "
+            raise ShardError(f"quantized layouts are checked against vLLM 0.32 onwards; vLLM {vllm} is "
                              f"older, so no artifact is written")
-        family = fp8.with_scales(family, quant)
+        family = (fp8.with_scales(family, quant) if isinstance(quant, fp8.BlockFp8)
+                  else wna16.with_packed(family, quant))
     dims = ModelDims.from_config(family, config)
     layers = _Layers(family, config, dims, quant)
     flags = {name: flag.value(config) for name, flag in family.flags.items()}
@@ -177,7 +179,7 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     if family.is_moe:
         check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
                   expert_groups=int(config.get("n_group") or 1))
-        if quant is not None and any(layers.quantized(p, i) for p in family.layer_params if p.experts
+        if isinstance(quant, fp8.BlockFp8) and any(layers.quantized(p, i) for p in family.layer_params if p.experts
                                      for i in range(dims.layers) if layers.holds(p, i, flags)):
             fp8.check_moe_blocks(dims, tp, moe, quant)
     elif moe.expert_parallel:
@@ -199,6 +201,20 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
                      moe if family.is_moe else MoeTarget(), dims.experts, quant)
 
 
+def quantization(config: dict) -> fp8.BlockFp8 | wna16.PackQuantized | None:
+    """The checkpoint's quantization as ferry shard cuts it (None: unquantized), or a ShardError naming the
+    setting it does not cut."""
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == wna16.METHOD:
+        return wna16.pack_quantized(qc)
+    if isinstance(qc, dict) and qc.get("quant_method") not in (None, "fp8"):
+        raise ShardError(f"config.json: quantization_config.quant_method is {qc.get('quant_method')!r}; ferry "
+                         f"shard cuts unquantized, FP8 block-scaled (\"fp8\" with weight_block_size) and "
+                         f"compressed-tensors pack-quantized checkpoints, and writes no layout it has not checked "
+                         f"against vLLM")
+    return fp8.block_fp8(config)
+
+
 def _model_dtype(family: Family, dims: ModelDims, tensors: Mapping[str, TensorSpec]) -> str:
     """The dtype of the checkpoint's unquantized weights: the input embedding's."""
     embedding = _model_param_sources(family.pre_layer_params[0], dims)[0].hf_name
@@ -209,7 +225,8 @@ class _Layers:
     """Which decoder layers are MoE layers, which of their linear weights are
     quantized, and which layer params each holds."""
 
-    def __init__(self, family: Family, config: dict, dims: ModelDims, quant: fp8.BlockFp8 | None = None):
+    def __init__(self, family: Family, config: dict, dims: ModelDims,
+                 quant: fp8.BlockFp8 | wna16.PackQuantized | None = None):
         self.family, self.config, self.count, self.quant = family, config, dims.layers, quant
         self._kinds: list[Mlp] | None = None
 
@@ -224,7 +241,8 @@ class _Layers:
     def holds(self, param: Param, layer: int, flags: Mapping[str, bool]) -> bool:
         return ((param.when is None or flags[param.when])
                 and (param.mlp is None or param.mlp is self.kind(layer))
-                and (not param.is_scale or self.quantized(param, layer)))
+                and (not param.is_scale or self.quantized(param, layer))
+                and not (param.replaced_when_quantized and self.quantized(param, layer)))
 
     def quantized(self, param: Param, layer: int) -> bool:
         """Whether vLLM quantizes this linear weight (or scale's weight) in this layer."""
@@ -261,12 +279,19 @@ def _layer_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
 
 def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
     shape = dims.shape(source.hf_shape)
-    return shape if source.block is None else fp8.scale_shape(shape, source.block)
+    return shape if source.block in (None, wna16.WHOLE) else fp8.scale_shape(shape, source.block)
 
 
 def _check_quantized_dtypes(family: Family, dims: ModelDims, flags: Mapping[str, bool],
                             tensors: Mapping[str, TensorSpec], layers: "_Layers", skipped: Mapping[str, str]) -> None:
-    """Quantized weights FP8, their scales float32, nothing else FP8 (fp8.check_dtypes)."""
+    """Quantized weights FP8, their scales float32, nothing else FP8 (fp8.check_dtypes); the packed tensors
+    of a pack-quantized checkpoint as vLLM allocates them (wna16)."""
+    if isinstance(layers.quant, wna16.PackQuantized):
+        roles = {name: wna16.role(name) for i, param, _, name in _layer_sources(family, dims, flags, layers)
+                 if param.is_scale}
+        layers.quant.check_dtypes({n: t.dtype for n, t in tensors.items()}, roles,
+                                  _model_dtype(family, dims, tensors))
+        return
     quantized, scales = set(), set()
     for i, param, source, name in _layer_sources(family, dims, flags, layers):
         if layers.quantized(param, i):
@@ -400,9 +425,10 @@ class _Entry:
     """One key of a stage's state_dict and what it is built from."""
 
     name: str
-    sources: tuple[Source, ...]  # empty: a 0-d constant (an attention scale)
+    sources: tuple[Source, ...]  # empty: a constant (an attention scale), 0-d unless `shape`
     experts: bool = False
     constant: tuple[str, bytes] = (SCALE_DTYPE, struct.pack("<f", ATTENTION_SCALE_VALUE))  # dtype, bytes
+    shape: tuple[int, ...] = ()
 
 
 def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vllm: VllmTarget, layers: _Layers,
@@ -424,12 +450,16 @@ def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vl
         for param in family.layer_params:
             if layers.holds(param, i, flags):
                 entries.append(_Entry(prefix + param.name,
-                                      tuple(dataclasses.replace(s, hf_name=prefix + s.hf_name)
+                                      tuple(dataclasses.replace(s, hf_name=prefix + s.hf_name,
+                                                                weight=s.weight and prefix + s.weight)
                                             for s in param.sources), param.experts))
-        if layers.quant is not None and family.fp8_attention_scales:
+        if isinstance(layers.quant, fp8.BlockFp8) and family.fp8_attention_scales:
             unset = (model_dtype, fp8.attention_scale_value(model_dtype))
             entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=unset)
                         for p in fp8.ATTENTION_SCALE_PARAMS]
+        if isinstance(layers.quant, wna16.PackQuantized):
+            entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=value, shape=(1,))
+                        for p, value in wna16.attention_params(model_dtype)]
         for buffer in vllm.attention_scale_buffers:
             entries.append(_Entry(f"{prefix}{family.attention_module}.{buffer}", ()))
     return _drop_shared_storage(model_params(family.pre_layer_params) + entries
@@ -461,9 +491,9 @@ class _Cutter:
         self.dims, self.tp, self.tensors, self.moe = dims, tp, tensors, moe
 
     def cut(self, entry: _Entry, rank: int) -> PlannedTensor:
-        if not entry.sources:  # an attention scale: a 0-d constant
+        if not entry.sources:  # an attention scale: a constant
             dtype, data = entry.constant
-            return PlannedTensor(entry.name, dtype, (), (Constant(data),))
+            return PlannedTensor(entry.name, dtype, entry.shape, (Constant(data),))
         if entry.experts:
             return self._cut_experts(entry, rank)
         pieces = self._concatenation(entry.name, entry.sources, rank, self.tp)
@@ -491,6 +521,9 @@ class _Cutter:
         cut for the rank, or for FP8 scales, their weights' cuts in blocks."""
         if sources[0].block is None:
             return [p for s in sources for p in self._cut_source(s, rank, tp)]
+        if sources[0].block == wna16.WHOLE:  # whole, from the part vLLM loads last
+            last = max(sources, key=lambda s: (wna16.natural_key(self.tensors[s.hf_name].file), s.hf_name))
+            return [Rows(last.hf_name, 0, self.tensors[last.hf_name].shape[0])]
         weights = [(s, p) for s in sources for p in self._cut_source(fp8.weight_source(s), rank, tp)]
         return [self._in_blocks(name, scale, piece, rank, tp, last=i == len(weights) - 1)
                 for i, (scale, piece) in enumerate(weights)]
@@ -501,13 +534,16 @@ class _Cutter:
         weight's offsets divided by the block: only whole blocks line up (a
         fused weight's last part may end on a partial one, its own tail)."""
         assert isinstance(piece, (Rows, Columns)), piece  # no vocabulary padding in a linear weight
-        rows, columns = self.tensors[piece.source].shape
+        rows, columns = self.dims.shape(fp8.weight_source(scale).hf_shape)
         block = scale.block[0] if isinstance(piece, Rows) else scale.block[1]
+        if block == 0:  # one scale spans the whole input: whole on every rank
+            return Columns(scale.hf_name, 0, 1)
         extent, axis = (rows, "rows") if isinstance(piece, Rows) else (columns, "columns")
         if piece.start % block or (piece.stop % block and (piece.stop != extent or not last)):
+            what = "FP8 scale blocks" if scale.hf_name.endswith(fp8.SCALE_SUFFIX) else "quantization blocks"
             raise ShardError(f"{name} at tensor parallel size {tp}: rank {rank} would hold {axis} "
-                             f"[{piece.start}, {piece.stop}) of {piece.source}, which is not whole {block}-wide FP8 "
-                             f"scale blocks ({piece.stop - piece.start} {axis}); vLLM cannot load that cut, so choose "
+                             f"[{piece.start}, {piece.stop}) of {piece.source}, which is not whole {block}-wide "
+                             f"{what} ({piece.stop - piece.start} {axis}); vLLM cannot load that cut, so choose "
                              f"a tensor-parallel size that leaves each rank a multiple of {block}")
         start, stop = piece.start // block, -(-piece.stop // block)
         return Rows(scale.hf_name, start, stop) if isinstance(piece, Rows) else Columns(scale.hf_name, start, stop)
@@ -538,7 +574,7 @@ class _Cutter:
                 return [Rows(name, offset + head * dims.head_dim, offset + (head + 1) * dims.head_dim)]
             return [_even_rows(name, rows, tp, rank, offset)]
         if source.split is Split.INPUT:
-            columns = self.tensors[name].shape[1]
+            columns = self.tensors[name].shape[1] if name in self.tensors else dims.size(source.shape[1])
             _check_divides(name, columns, tp, "columns")
             width = columns // tp
             return [Columns(name, rank * width, (rank + 1) * width)]
@@ -567,7 +603,8 @@ class _Cutter:
 
 
 def _for_expert(source: Source, expert: int) -> Source:
-    return dataclasses.replace(source, hf_name=source.hf_name.replace(EXPERT, str(expert)))
+    return dataclasses.replace(source, hf_name=source.hf_name.replace(EXPERT, str(expert)),
+                               weight=source.weight and source.weight.replace(EXPERT, str(expert)))
 
 
 def _check_divides(name: str, extent: int, tp: int, what: str) -> None:

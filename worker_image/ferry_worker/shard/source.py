@@ -30,7 +30,7 @@ class Checkpoint:
 
     @property
     def specs(self) -> dict[str, TensorSpec]:
-        return {name: TensorSpec(loc.dtype, loc.shape) for name, loc in self.tensors.items()}
+        return {name: TensorSpec(loc.dtype, loc.shape, loc.path.name) for name, loc in self.tensors.items()}
 
     @property
     def weight_bytes(self) -> int:

@@ -14,6 +14,7 @@ Every file of the artifact is opened beneath it without following a symlink
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from .plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, Z
 from .spans import BlockBuffers, Span, piece_span, read_span, write_span
 from .tensors import HeaderEntry, encode_header, itemsize
 from .versions import parse_vllm_version
+from . import wna16
 
 UNSHARDED_NAME = "model.safetensors"
 
@@ -49,10 +51,11 @@ def unshard(artifact: Path, output: Path) -> Manifest:
         raise IntegrityError(f"{artifact}: a {manifest.format!r} artifact, not {FORMAT}")
     plan = _replan(artifact, manifest)
     rank_files = {f.name for f in plan.files}
-    specs = {name: TensorSpec(s["dtype"], tuple(s["shape"])) for name, s in manifest.extra["sourceTensors"].items()}
+    specs = {name: TensorSpec(s["dtype"], tuple(s["shape"]), s.get("file", "")) for name, s in manifest.extra["sourceTensors"].items()}
     rebuilt = sorted({p.source for f in plan.files for t in f.tensors for p in t.pieces
                       if isinstance(p, (Rows, Columns))})
-    order = sorted(rebuilt, key=lambda n: -itemsize(specs[n].dtype))
+    derived = _derived(plan, specs, rebuilt)
+    order = sorted([*rebuilt, *derived], key=lambda n: -itemsize(specs[n].dtype))
     header = encode_header(HeaderEntry(n, specs[n].dtype, specs[n].shape) for n in order)
     offsets, position = {}, len(header)
     for name in order:
@@ -68,6 +71,8 @@ def unshard(artifact: Path, output: Path) -> Manifest:
         for planned in plan.files:
             _scatter(artifact, planned, out.fileno(), offsets, specs, coverage)
         coverage.check_complete(specs, rebuilt)
+        for name, data in derived.items():
+            os.pwrite(out.fileno(), data, offsets[name])
     entries = [FileEntry(UNSHARDED_NAME, position, sha256_file(output / UNSHARDED_NAME))]
     for entry in manifest.files:
         if entry.path not in rank_files:
@@ -81,6 +86,15 @@ def unshard(artifact: Path, output: Path) -> Manifest:
     return result
 
 
+def _derived(plan: ShardPlan, specs: dict[str, TensorSpec], rebuilt: list[str]) -> dict[str, bytes]:
+    """Tensors no rank file holds but the cut proved derivable: the weight_shape of each part of a fused
+    pack-quantized module that vLLM does not load last (ShardJob checked each against its weight_packed)."""
+    if not isinstance(plan.quant, wna16.PackQuantized):
+        return {}
+    return {name: wna16.shape_bytes(wna16.unpacked_shape(specs, name, plan.quant)) for name in specs
+            if wna16.role(name) == "shape" and name not in rebuilt}
+
+
 def _replan(artifact: Path, manifest: Manifest) -> ShardPlan:
     extra = manifest.extra
     try:
@@ -89,7 +103,7 @@ def _replan(artifact: Path, manifest: Manifest) -> ShardPlan:
         raise IntegrityError(f"{artifact}: {e}") from None
     if not isinstance(config, dict):
         raise IntegrityError(f"{artifact}: no config.json (a JSON object) to re-plan the cut from")
-    specs = {name: TensorSpec(s["dtype"], tuple(s["shape"])) for name, s in extra["sourceTensors"].items()}
+    specs = {name: TensorSpec(s["dtype"], tuple(s["shape"]), s.get("file", "")) for name, s in extra["sourceTensors"].items()}
     plan = plan_shards(config, specs, tp=extra["tensorParallelSize"], pp=extra["pipelineParallelSize"],
                        vllm=parse_vllm_version(extra["vllmVersion"]), max_part_size=extra["maxPartSize"],
                        pp_layer_partition=extra["ppLayerPartition"],

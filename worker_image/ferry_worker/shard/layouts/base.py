@@ -64,6 +64,11 @@ class Source:
     # of the weight each scale covers; the symbolic shape is the weight's,
     # in elements, and the tensor is that shape in whole or partial blocks.
     block: tuple[int, int] | None = None
+    # With `block`: the checkpoint name of the weight the blocks cover (its cut decides this tensor's). A
+    # packed or quantized weight's own blocks (compressed-tensors' `weight_packed`: 8 int4 values per int32)
+    # are blocks of a weight the checkpoint does not hold unpacked. A block of 0 columns spans the whole
+    # input: one per-channel scale per row, whole on every rank of a row-parallel cut.
+    weight: str | None = None
 
     @property
     def hf_shape(self) -> tuple[str, ...]:
@@ -106,10 +111,14 @@ class Param:
     # A Linear (or FusedMoE) weight that vLLM's FP8 method quantizes unless
     # config.json lists its module as not converted (shard/fp8.py).
     linear: bool = False
+    # A linear weight that a packed quantization (shard/wna16.py) replaces with its packed tensors where the
+    # module is quantized; kept as it is where the config leaves the module unquantized.
+    replaced_when_quantized: bool = False
 
     @property
     def is_scale(self) -> bool:
-        """FP8 block scales of a linear weight: present only where that weight is quantized."""
+        """Blocks of a linear weight (FP8 block scales, packed int4 values and their scales): present only
+        where that weight is quantized."""
         return self.sources[0].block is not None
 
 
