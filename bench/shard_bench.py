@@ -1,7 +1,7 @@
 """Benchmark `ferry shard` against `cp -r` of the same checkpoint, in one run.
 
     .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3] [--baseline CMD]
-                                          [--model mixtral [--expert-parallel]] [--fp8]
+                                          [--model mixtral [--expert-parallel]] [--fp8 | --w4a16]
 
 Generates a Llama-3-8B-shaped checkpoint (hidden 4096, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256, bf16; `--layers` decoder layers: 8 gives
@@ -16,8 +16,11 @@ command (e.g. another checkout) in the same alternation, so that two releases
 are compared under the same disk and load. `--fp8` writes the checkpoint as an
 FP8 block-scaled release (DeepSeek-V3's layout: every decoder linear weight
 F8_E4M3 with a float32 `weight_scale_inv` per 128 x 128 block, the rest bf16),
-so that the block-unit scale cuts are timed too. Everything it writes is
-removed at the end.
+so that the block-unit scale cuts are timed too. `--w4a16` writes it as a
+compressed-tensors pack-quantized W4A16 release (llm-compressor's layout: every
+decoder linear weight int4 packed into I32 `weight_packed` [out, in/8], a bf16
+`weight_scale` per 128 inputs and an I64 `weight_shape`), the packed cuts
+timed. Everything it writes is removed at the end.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import json
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -110,17 +114,47 @@ def fp8_tensors(shapes: dict[str, list[int]]) -> dict[str, tuple[str, list[int]]
     return tensors
 
 
-def write_checkpoint(directory: Path, layers: int, model: str = "llama", fp8: bool = False) -> int:
+W4A16_GROUP = 128
+
+
+def w4a16_tensors(shapes: dict[str, list[int]]) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) of a pack-quantized W4A16 release: decoder linear weights (not routers) packed
+    8 int4 values per I32, bf16 group scales and the I64 unpacked shape; the rest bf16."""
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for name, shape in shapes.items():
+        if name.startswith("model.layers.") and len(shape) == 2 and not name.endswith(".gate.weight"):
+            stem = name.removesuffix("weight")
+            tensors[stem + "weight_packed"] = ("I32", [shape[0], shape[1] // 8])
+            tensors[stem + "weight_scale"] = ("BF16", [shape[0], shape[1] // W4A16_GROUP])
+            tensors[stem + "weight_shape"] = ("I64", [2], shape)
+        else:
+            tensors[name] = ("BF16", shape)
+    return tensors
+
+
+W4A16_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": W4A16_GROUP}}}}
+
+
+def write_checkpoint(directory: Path, layers: int, model: str = "llama", fp8: bool = False,
+                     w4a16: bool = False) -> int:
     """A checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
     from ferry_worker.shard.tensors import HeaderEntry, encode_header
 
     config, shapes = MODELS[model]
-    tensors = fp8_tensors(shapes(layers)) if fp8 else {n: ("BF16", s) for n, s in shapes(layers).items()}
+    tensors = (fp8_tensors(shapes(layers)) if fp8 else w4a16_tensors(shapes(layers)) if w4a16
+               else {n: ("BF16", s) for n, s in shapes(layers).items()})
+    values = {n: struct.pack("<2q", *t[2]) for n, t in tensors.items() if len(t) == 3}  # weight_shape
+    tensors = {n: t[:2] for n, t in tensors.items()}
     directory.mkdir(parents=True)
     settings = config(layers)
     if fp8:
         settings["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    if w4a16:
+        settings["quantization_config"] = W4A16_CONFIG
     (directory / "config.json").write_text(json.dumps(settings, indent=2))
     (directory / "generation_config.json").write_text('{"bos_token_id": 128000, "eos_token_id": 128001}')
     groups: list[list[tuple[str, str, list[int]]]] = [[]]
@@ -140,6 +174,9 @@ def write_checkpoint(directory: Path, layers: int, model: str = "llama", fp8: bo
         with open(directory / file_name, "wb") as f:
             f.write(encode_header(entries))
             for entry in entries:
+                if entry.name in values:
+                    f.write(values[entry.name])
+                    continue
                 left = entry.nbytes
                 while left:
                     chunk = pool[:min(left, POOL_BYTES)]
@@ -176,6 +213,7 @@ def main() -> int:
                     help="llama: Llama-3-8B-shaped; mixtral: Mixtral-8x7B-shaped with smaller experts")
     ap.add_argument("--expert-parallel", action="store_true", help="mixtral: cut whole experts per rank")
     ap.add_argument("--fp8", action="store_true", help="an FP8 block-scaled checkpoint (128 x 128 blocks)")
+    ap.add_argument("--w4a16", action="store_true", help="a compressed-tensors pack-quantized W4A16 checkpoint")
     ap.add_argument("--ferry", default=f"{sys.executable} -m ferry_worker.cli",
                     help="the ferry command to time (default: %(default)s)")
     ap.add_argument("--baseline", help="another ferry command, timed in the same runs (e.g. 'env "
@@ -187,7 +225,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ferry-shard-bench-", dir=args.workdir))
     try:
         source = root / "checkpoint"
-        checkpoint_bytes = write_checkpoint(source, args.layers, args.model, args.fp8)
+        checkpoint_bytes = write_checkpoint(source, args.layers, args.model, args.fp8, args.w4a16)
         if shutil.disk_usage(root).free < 2.5 * checkpoint_bytes:
             raise SystemExit(f"{root}: needs {2.5 * checkpoint_bytes / 1e9:.1f} GB free for the copies")
         ferries = {"ferry shard": args.ferry} | ({"ferry shard (baseline)": args.baseline} if args.baseline else {})
@@ -211,7 +249,8 @@ def main() -> int:
                 shutil.rmtree(target)
         median = {label: statistics.median(values) for label, values in times.items()}
         report = {
-            "checkpoint": {"model": args.model, "layers": args.layers, "fp8": args.fp8, "bytes": checkpoint_bytes,
+            "checkpoint": {"model": args.model, "layers": args.layers, "fp8": args.fp8, "w4a16": args.w4a16,
+                           "bytes": checkpoint_bytes,
                            "files": len(list(source.glob("*.safetensors")))},
             "tensorParallelSize": args.tp,
             "expertParallel": args.expert_parallel,

@@ -311,7 +311,7 @@ def pack_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
     [out / pack, groups] I32 when asymmetric."""
     quant = config["quantization_config"]
     args = next(iter(quant["config_groups"].values()))["weights"]
-    pack, group = 32 // args["num_bits"], args.get("group_size") if args["strategy"] == "group" else None
+    pack, group = 32 // int(args["num_bits"]), args.get("group_size") if args["strategy"] == "group" else None
     kept = set(quant.get("ignore") or [])
     rng = np.random.default_rng(seed + 16)
     out: Weights = {}

@@ -108,6 +108,9 @@ INVALID = [
     ("runai-sharded-needs-pvc", manifest(format={"type": "runai_streamer_sharded", "tensorParallelSize": 2},
                                          storage={"s3": {"uri": "s3://bucket/x"}}),
      "spec.storage.pvc", "the checkpoint is fetched to the claim first"),
+    ("runai-sharded-old-vllm", manifest(format={"type": "runai_streamer_sharded", "vllmVersion": "0.31"},
+                                        storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x"}}),
+     "spec.format.vllmVersion", "runai_streamer_sharded needs vllmVersion >= 0.32"),
     ("runai-sharded-no-streamer-options", manifest(
         format={"type": "runai_streamer_sharded", "runaiStreamer": {"concurrency": 4}},
         storage={"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://bucket/x"}}),

@@ -210,11 +210,15 @@ def job_pods(kube, name: str) -> list[dict]:
 HOSTILE_KEYS = {"PYTHONPATH": "/weights/evil", "LD_PRELOAD": "/weights/evil/hook.so", "TENANT_NOTE": "x"}
 
 
-def assert_no_hostile_env(kube, name: str, keys: dict[str, str] = HOSTILE_KEYS) -> None:
+def assert_no_hostile_env(kube, name: str, keys: dict[str, str] = HOSTILE_KEYS, fetched: bool = True) -> None:
     """No Job pod of `name` got a Secret key it does not use: credentials by secretKeyRef only, never
     envFrom, so PYTHONPATH and LD_PRELOAD never reached the prepare pod (glibc would have said so on stderr
-    for a preload it could not open)."""
-    for pod in job_pods(kube, name):
+    for a preload it could not open). `fetched`: the fetch pod, the one that gets the source's Secret, must
+    be among those inspected (False once its Job may have gone: ttlSecondsAfterFinished)."""
+    pods = job_pods(kube, name)
+    steps = {p["metadata"]["labels"].get("ferry.dev/step") for p in pods}
+    assert not fetched or "fetch" in steps, f"no fetch pod of {name} left to inspect: {sorted(map(str, steps))}"
+    for pod in pods:
         for c in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
             assert "envFrom" not in c, (pod["metadata"]["name"], c["envFrom"])
             assert not {e["name"] for e in c.get("env") or []} & set(keys), (pod["metadata"]["name"], c["env"])

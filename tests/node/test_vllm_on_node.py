@@ -253,37 +253,15 @@ def test_vllm_in_a_pod_serves_the_loaders_local_copy(node, chart_operator, node_
 
 
 @pytest.mark.timeout(timeout_s(2, 1))
-def test_vllm_in_a_pod_streams_runai_streamer_from_s3(node, chart_operator, node_s3, vllm_image, original, reference):
-    """runai_streamer published to storage.s3: vLLM in the pod streams the prefix from the S3 server on the
-    node's bridge with the credentials the kubelet resolved from the Secret (secretKeyRef)."""
-    name, mw = start(node, node_s3, original, vllm_image, "vllm-runai", {"type": "runai_streamer"})
-    mw["spec"]["storage"]["s3"] = {"uri": f"s3://{name}/artifacts", "endpoint": node_s3.endpoint,
-                                   "credentialsSecretRef": {"name": f"{name}-s3"}}
-    node.apply(mw)
-    status = wait_artifact(node, name, 1)
-    uri, digest = status["artifact"]["uri"], status["artifact"]["manifestDigest"]
-    assert uri.startswith(f"s3://{name}/artifacts/"), uri
-    log_from = (node_s3.root / "server.log").stat().st_size
-    pod = serving_pod(node, name, digest)
-    container = check_wiring(pod, model=uri.rstrip("/"), load_format="runai_streamer", tp=1)
-    secret_env = {e["name"] for e in container["env"] if e.get("valueFrom", {}).get("secretKeyRef")}
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= secret_env, container["env"]
-    log = check_served(node, name, pod, load_format="runai_streamer", tp=1, reference_tokens=reference.results()[1])
-    assert STREAMER_BAR in log, log[-3000:]
-    # The weights came from S3 while the pod ran: GETs of each weights object under the artifact's prefix.
-    prefix = uri.removeprefix(f"s3://{name}/").rstrip("/")
-    with open(node_s3.root / "server.log", "rb") as f:
-        f.seek(log_from)
-        served_log = f.read().decode(errors="replace")
-    for weights in (f"model-{n:05d}-of-{CASE.files:05d}.safetensors" for n in range(1, CASE.files + 1)):
-        assert f"GET OBJECT Bucket: {name} Object: {prefix}/{weights}" in served_log, served_log[-3000:]
-
-
-@pytest.mark.timeout(timeout_s(2, 1))
 def test_vllm_in_a_pod_streams_its_rank_files_from_s3(node, chart_operator, node_s3, vllm_image, original, reference):
     """runai_streamer_sharded at TP 2: the operator's Jobs cut the checkpoint on the claim and publish the rank
     files into storage.s3; the loader checks their sizes and ETags; vLLM's ShardedStateLoader in the pod streams
-    them from the S3 server through the Run:ai streamer, each rank only its own file."""
+    them from the S3 server on the node's bridge through the Run:ai streamer, each rank only its own file, with
+    the credentials the kubelet resolved from the Secret (secretKeyRef).
+
+    This is also the pod-level proof of runai_streamer published to storage.s3 (its own test here until this
+    one): the same S3 environment (serving.s3_env), the same streamer, in the same pod. vLLM serving plain
+    runai_streamer prefixes on those exact args and env is tests/test_vllm_runai_streamer.py (TP 1 and 2)."""
     name, mw = start(node, node_s3, original, vllm_image, "vllm-rsharded",
                      {"type": "runai_streamer_sharded", "tensorParallelSize": 2})
     mw["spec"]["storage"]["s3"] = {"uri": f"s3://{name}/artifacts", "endpoint": node_s3.endpoint,
@@ -302,6 +280,8 @@ def test_vllm_in_a_pod_streams_its_rank_files_from_s3(node, chart_operator, node
     assert "--model-loader-extra-config" not in container["args"], container["args"]
     (loader,) = pod["spec"]["initContainers"]
     assert loader["args"][:3] == ["load", "--artifact", uri.rstrip("/")], loader["args"]
+    secret_env = {e["name"] for e in container["env"] if e.get("valueFrom", {}).get("secretKeyRef")}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= secret_env, container["env"]
     log = check_served(node, name, pod, load_format="runai_streamer_sharded", tp=2,
                        reference_tokens=reference.results()[1])
     assert WEIGHTS_LOADED in log and STREAMER_BAR in log, log[-3000:]

@@ -326,6 +326,15 @@ class RunaiStreamerOptions(Model):
 
 FORMAT_RULES = [
     Rule(
+        # has(): the API server also checks rules against the schema's own default ({} for format).
+        "!has(self.type) || self.type != 'runai_streamer_sharded' || !has(self.vllmVersion)"
+        " || int(self.vllmVersion.split('.')[0]) > 0 || int(self.vllmVersion.split('.')[1]) >= 32",
+        "runai_streamer_sharded needs vllmVersion >= 0.32 (Ferry proves it against vLLM 0.32; earlier releases "
+        "read the rank files' S3 names wrongly)",
+        lambda f: f.type != FormatType.RUNAI_STREAMER_SHARDED.value or _version_at_least(f.vllm_version, (0, 32)),
+        ".vllmVersion",
+    ),
+    Rule(
         "!has(self.tensorizer) || self.type == 'tensorizer'",
         "only valid when format.type is tensorizer",
         lambda f: f.tensorizer is None or f.type == FormatType.TENSORIZER.value,

@@ -20,14 +20,15 @@ WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "s
            "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
 
 
-def packed(case: ModelCase, files: int = 1, ignore=("lm_head",), group: dict | None = None, **weights) -> ModelCase:
+def packed(case: ModelCase, files: int = 1, ignore=("lm_head",), group: dict | None = None, top: dict | None = None,
+           **weights) -> ModelCase:
     config = copy.deepcopy(case.config)
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**WEIGHTS, **weights},
                                       "input_activations": None, "output_activations": None,
                                       "format": "pack-quantized", **(group or {})}},
-        "ignore": list(ignore), "kv_cache_scheme": None}
+        "ignore": list(ignore), "kv_cache_scheme": None, **(top or {})}
     return ModelCase(f"{case.name}-packed", config, case.dtype, files=files)
 
 
@@ -79,7 +80,14 @@ def test_a_weight_shape_that_contradicts_its_packed_weight_is_refused(make_check
     (packed(LLAMA3, num_bits=3), 2, "pack-quantized is int4 or int8"),
     (packed(LLAMA3, surprise=1), 2, "keys ferry shard does not know \\(surprise\\)"),
     (packed(MIXTRAL), 2, "compressed-tensors experts are not cut by ferry shard yet"),
-], ids=["group-split", "misplaced-key", "actorder", "w8a8", "regex-ignore", "int3", "unknown-key", "moe"])
+    (packed(LLAMA3, num_bits=4.0), 2, "pack-quantized is int4 or int8"),
+    # vLLM allocates in // pack words and in // group scales: 128 inputs are not whole 48-input groups.
+    (packed(LLAMA3, group_size=48), 2, r"q_proj.weight_scale: its weight has 128 columns, not a multiple of the "
+                                       r"48-wide blocks"),
+    (packed(LLAMA3, top={"transform_config": {"hadamard": {}}}), 2, "transform_config is set"),
+    (packed(LLAMA3, top={"surprise": 1}), 2, r"quantization_config has keys ferry shard does not know \(surprise\)"),
+], ids=["group-split", "misplaced-key", "actorder", "w8a8", "regex-ignore", "int3", "unknown-key", "moe",
+        "float-bits", "group-not-dividing", "transform", "unknown-config-key"])
 def test_what_cannot_be_cut_is_refused_before_a_byte_is_written(make_checkpoint, tmp_path, case, tp, message):
     source, _ = make_checkpoint(case)
     with pytest.raises(ShardError, match=message):

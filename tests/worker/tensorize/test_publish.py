@@ -12,7 +12,8 @@ from ferry_worker.cli import main
 from ferry_worker.manifest import manifest_digest
 from ferry_worker.results import EXIT_FAILED
 from ferry_worker.shard.job import ShardJob
-from checkpoints import write_checkpoint
+from checkpoints import MIXTRAL, write_checkpoint
+from ferry_worker.shard.experts import MoeTarget
 from tensorize_support import LLAMA_MID, MiB, QWEN2_TIED, list_keys, object_sha256, read_manifest_object
 
 MANIFEST = "ferry-manifest.json"
@@ -61,6 +62,17 @@ def test_publish_a_sharded_state_artifact_keeps_its_facts(s3_server, s3_env, buc
     assert main(["publish", "--source", str(tmp_path / "sharded"), "--output", f"s3://{bucket}/sharded"]) == 0
     manifest = _objects_match_manifest(s3_server.client(), bucket, "sharded")
     assert manifest["format"] == "sharded_state" and manifest["extra"]["tensorParallelSize"] == 2
+
+
+def test_a_published_moe_cut_reports_its_expert_facts(s3_server, s3_env, bucket, tmp_path, monkeypatch):
+    """runai_streamer_sharded's last step is the publish: its result must carry the cut's expert facts, which
+    the operator needs to refuse data parallelism and EPLB on the serving pods."""
+    write_checkpoint(tmp_path / "ckpt", MIXTRAL, seed=8)
+    ShardJob.prepare(tmp_path / "ckpt", tmp_path / "sharded", tp=2, moe=MoeTarget(expert_parallel=True)).run()
+    monkeypatch.setenv("FERRY_RESULT_FILE", str(tmp_path / "result"))
+    assert main(["publish", "--source", str(tmp_path / "sharded"), "--output", f"s3://{bucket}/moe"]) == 0
+    result = json.loads((tmp_path / "result").read_text())
+    assert (result["experts"], result["expertParallel"], result["target"]) == (4, True, "hopper"), result
 
 
 def test_a_plain_directory_is_validated_and_published(s3_server, s3_env, bucket, tmp_path):

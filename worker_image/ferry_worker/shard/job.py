@@ -123,14 +123,14 @@ class ShardJob:
         from this rule (wna16.unpacked_shape)."""
         if not isinstance(self.plan.quant, wna16.PackQuantized):
             return
-        buffers = BlockBuffers()
+        buffers, specs = BlockBuffers(), self.checkpoint.specs
         with SourceFiles(self.checkpoint.tensors) as sources:
             for name, loc in self.checkpoint.tensors.items():
                 if wna16.role(name) != "shape":
                     continue
                 data = b"".join(read_span(sources.fd(name), piece_span(Rows(name, 0, loc.shape[0]), loc.offset,
                                                                        loc.dtype, loc.shape), buffers))
-                wanted = wna16.unpacked_shape(self.checkpoint.specs, name, self.plan.quant)
+                wanted = wna16.unpacked_shape(specs, name, self.plan.quant)
                 if loc.shape != (2,) or data != wna16.shape_bytes(wanted):
                     raise ShardError(f"{name} does not hold the shape of its packed weight {list(wanted)} "
                                      f"(weight_packed x {self.plan.quant.pack}); the checkpoint is inconsistent")

@@ -262,6 +262,8 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
         for source in _model_param_sources(param, dims):
             expected[source.hf_name] = dims.shape(source.hf_shape)
     for _, _, source, name in _layer_sources(family, dims, flags, layers):
+        if source.block not in (None, wna16.WHOLE) and not name.endswith(fp8.SCALE_SUFFIX):
+            _check_whole_blocks(name, source, *dims.shape(fp8.weight_source(source).hf_shape))
         expected[name] = _source_shape(dims, source)
     return expected
 
@@ -539,8 +541,12 @@ class _Cutter:
         if block == 0:  # one scale spans the whole input: whole on every rank
             return Columns(scale.hf_name, 0, 1)
         extent, axis = (rows, "rows") if isinstance(piece, Rows) else (columns, "columns")
+        fp8_scale = scale.hf_name.endswith(fp8.SCALE_SUFFIX)
+        if not fp8_scale:  # packed words and groups: vLLM allocates them rounding down, so only whole ones
+            _check_whole_blocks(name, scale, rows, columns)
+            last = False
         if piece.start % block or (piece.stop % block and (piece.stop != extent or not last)):
-            what = "FP8 scale blocks" if scale.hf_name.endswith(fp8.SCALE_SUFFIX) else "quantization blocks"
+            what = "FP8 scale blocks" if fp8_scale else "quantization blocks"
             raise ShardError(f"{name} at tensor parallel size {tp}: rank {rank} would hold {axis} "
                              f"[{piece.start}, {piece.stop}) of {piece.source}, which is not whole {block}-wide "
                              f"{what} ({piece.stop - piece.start} {axis}); vLLM cannot load that cut, so choose "
@@ -600,6 +606,16 @@ class _Cutter:
         if isinstance(piece, Columns):
             return (piece.stop - piece.start,)
         return self.tensors[source.hf_name].shape[1:]
+
+
+def _check_whole_blocks(name: str, block_tensor: Source, rows: int, columns: int) -> None:
+    """A packed or grouped tensor's weight must be whole blocks on both axes (CompressedTensorsWNA16 asserts
+    each rank's inputs are whole groups and allocates in // pack words)."""
+    block_rows, block_columns = block_tensor.block
+    for extent, size, axis in ((rows, block_rows, "rows"), (columns, block_columns, "columns")):
+        if size and extent % size:
+            raise ShardError(f"{name}: its weight has {extent} {axis}, not a multiple of the {size}-wide "
+                             f"blocks it is packed or grouped in; vLLM cannot load it")
 
 
 def _for_expert(source: Source, expert: int) -> Source:

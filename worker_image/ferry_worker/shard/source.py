@@ -71,7 +71,12 @@ def _weight_files(directory: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ShardError(f"{index}: no weight_map object")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        names = sorted({str(name) for name in weight_map.values()})
+        outside = [name for name in names if not name or "/" in name or name in (".", "..") or "\0" in name]
+        if outside:
+            raise ShardError(f"{index}: weight_map names file(s) outside the checkpoint's directory "
+                             f"({', '.join(repr(n) for n in outside[:5])}); list the weight files by their names")
+        files = [directory / name for name in names]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise ShardError(f"{index} names file(s) that are missing: {', '.join(absent)}")

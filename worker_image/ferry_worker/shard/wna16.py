@@ -38,6 +38,10 @@ WHOLE = (0, 0)  # the block of a tensor a rank holds whole, from one of its part
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 # The keys of a weights' quantization args this module reads or must see at their default.
+# The keys of quantization_config this module reads, or must see empty: a sparsity or transform config makes
+# vLLM build other modules (CompressedTensorsLinearTransformMethod, 2:4 sparse schemes).
+KNOWN_CONFIG_KEYS = {"quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme",
+                     "global_compression_ratio", "version", "sparsity_config", "transform_config"}
 KNOWN_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "actorder", "observer",
                      "observer_kwargs", "block_structure", "zp_dtype", "scale_dtype"}
 
@@ -77,6 +81,14 @@ class PackQuantized:
 def pack_quantized(qc: dict) -> PackQuantized:
     """`quantization_config` of quant_method compressed-tensors, or a ShardError naming what vLLM or Ferry
     would not cut this way."""
+    unknown = sorted(set(qc) - KNOWN_CONFIG_KEYS)
+    if unknown:
+        raise ShardError(f"config.json: quantization_config has keys ferry shard does not know "
+                         f"({', '.join(unknown[:10])})")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise ShardError(f"config.json: quantization_config.{key} is set; vLLM then builds other modules "
+                             f"than the pack-quantized scheme's, which ferry shard does not cut")
     fmt = qc.get("format")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
@@ -110,7 +122,7 @@ def _weight_args(name: str, weights) -> tuple[int, int, bool]:
     if unknown:
         raise ShardError(f"{where} has keys ferry shard does not know ({', '.join(unknown)})")
     bits, strategy, group_size = weights.get("num_bits"), weights.get("strategy"), weights.get("group_size")
-    if weights.get("type", "int") != "int" or bits not in (4, 8):
+    if weights.get("type", "int") != "int" or type(bits) is not int or bits not in (4, 8):
         raise ShardError(f"{where}: {weights.get('type')!r} with {bits!r} bits; pack-quantized is int4 or int8")
     if weights.get("dynamic"):
         raise ShardError(f"{where}.dynamic is set; weights are quantized statically")
@@ -208,4 +220,4 @@ def shape_bytes(shape: tuple[int, int]) -> bytes:
 
 def natural_key(file: str) -> list:
     """vLLM's `_natural_sort_key`: the order its default loader reads checkpoint files in."""
-    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", file.rsplit("/", 1)[-1])]
+    return [int(s) if s.isascii() and s.isdigit() else s for s in re.split(r"([0-9]+)", file.rsplit("/", 1)[-1])]

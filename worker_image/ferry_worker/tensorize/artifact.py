@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..manifest import MANIFEST_NAME, NOT_FERRYS, IntegrityError, Manifest, entry_problem, verify
 from .errors import ArtifactError, StoreError
+from ..results import RESULT_FACTS
 from .location import LocalLocation
 from .store import Store, StoredObject
 
@@ -39,9 +40,13 @@ class Published:
     facts: dict = field(default_factory=dict)  # step-specific, e.g. the tensorizer_uri to serve
 
     def step_result(self) -> dict:
-        """What the operator learns (the termination message): as `ferry fetch`/`shard` report, plus the URI."""
+        """What the operator learns (the termination message): as `ferry fetch`/`shard` report, plus the URI.
+        A published `ferry shard` cut keeps its expert facts (results.RESULT_FACTS): the operator refuses the
+        serving flags its rank files cannot honour (data parallelism, EPLB)."""
+        extra = self.manifest.extra
+        cut = {key: extra[key] for key in RESULT_FACTS if extra.get(key) is not None}
         return {"manifestDigest": self.digest, "totalBytes": self.manifest.total_bytes,
-                "files": len(self.manifest.files), "uri": self.uri, **self.facts}
+                "files": len(self.manifest.files), "uri": self.uri, **cut, **self.facts}
 
 
 def digest_of(data: bytes) -> str:
