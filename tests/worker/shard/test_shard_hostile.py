@@ -121,6 +121,18 @@ def test_index_naming_a_missing_file_is_refused(make_checkpoint, tmp_path):
         ShardJob.prepare(source, tmp_path / "out", tp=1)
 
 
+@pytest.mark.parametrize("outside", ["../other/model.safetensors", "/etc/ferry.safetensors", ".."])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(make_checkpoint, tmp_path, outside):
+    """weight_map values are file names in the checkpoint's directory: one that leads out of it (another
+    object's files on a shared claim) is refused before anything is read."""
+    source, _ = make_checkpoint(LLAMA3)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = outside
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ShardError, match="weight_map names file\\(s\\) outside the checkpoint's directory"):
+        ShardJob.prepare(source, tmp_path / "out", tp=1)
+
+
 def test_output_holding_another_artifact_is_refused(make_checkpoint, tmp_path):
     source, _ = make_checkpoint(LLAMA3)
     ShardJob.prepare(source, tmp_path / "out", tp=2, max_part_size=200_000).run()
