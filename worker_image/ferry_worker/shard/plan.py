@@ -542,8 +542,7 @@ class _Cutter:
             return Columns(scale.hf_name, 0, 1)
         extent, axis = (rows, "rows") if isinstance(piece, Rows) else (columns, "columns")
         fp8_scale = scale.hf_name.endswith(fp8.SCALE_SUFFIX)
-        if not fp8_scale:  # packed words and groups: vLLM allocates them rounding down, so only whole ones
-            _check_whole_blocks(name, scale, rows, columns)
+        if not fp8_scale:  # packed words and groups: whole on every axis (expected_sources checked), no tail
             last = False
         if piece.start % block or (piece.stop % block and (piece.stop != extent or not last)):
             what = "FP8 scale blocks" if fp8_scale else "quantization blocks"

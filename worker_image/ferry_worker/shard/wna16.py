@@ -16,9 +16,9 @@ module `X` with `out` rows and `in` columns on the rank:
   along the output).
 
 Each is a block tensor of the unpacked weight (plan.py cuts it with the
-weight's cut, in whole blocks), and Attention gains the KV-cache method's four
-0-d scales as under FP8. A cut that splits a group or an int32 is refused
-before anything is written, naming the tensor and the sizes that would work.
+weight's cut, in whole blocks), and Attention gains the KV-cache method's six
+one-element parameters (`attention_params`). A cut that splits a group or an
+int32 is refused before anything is written, naming the tensor and the block.
 """
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ PACKED_DTYPE, SHAPE_DTYPE = "I32", "I64"
 WHOLE = (0, 0)  # the block of a tensor a rank holds whole, from one of its parts (weight_shape)
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
-# The keys of a weights' quantization args this module reads or must see at their default.
 # The keys of quantization_config this module reads, or must see empty: a sparsity or transform config makes
 # vLLM build other modules (CompressedTensorsLinearTransformMethod, 2:4 sparse schemes).
 KNOWN_CONFIG_KEYS = {"quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme",
                      "global_compression_ratio", "version", "sparsity_config", "transform_config"}
+# The keys of a weights' quantization args this module reads or must see at their default.
 KNOWN_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "actorder", "observer",
                      "observer_kwargs", "block_structure", "zp_dtype", "scale_dtype"}
 
