@@ -305,7 +305,7 @@ def fp8_block_scaled(weights: Weights, config: dict, seed: int = 0, routers: boo
 
 def pack_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
     """The checkpoint as a compressed-tensors pack-quantized release ships it (the layout only: random
-    int32 words, positive scales; tests/worker/shard/ct_checkpoint.py quantizes for real): each linear weight
+    int32 words, positive scales; tests/worker/shard/quant_checkpoint.py quantizes for real): each linear weight
     of the decoder layers not in `ignore` becomes weight_packed [out, in / pack] I32, weight_scale
     [out, in / group or 1] in the model dtype, weight_shape [out, in] I64, and weight_zero_point
     [out / pack, groups] I32 when asymmetric."""
@@ -329,6 +329,31 @@ def pack_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
         if not args.get("symmetric", True):
             out[stem + "weight_zero_point"] = ("I32", [rows // pack, groups], rng.integers(
                 -2**31, 2**31, size=(rows // pack, groups), dtype=np.int32).tobytes())
+    return out
+
+
+def int_packed(weights: Weights, config: dict, seed: int = 0) -> Weights:
+    """The checkpoint as an AWQ (GEMM) or GPTQ release ships it (the layout only: random int32 words,
+    positive scales; tests/worker/shard/quant_checkpoint.py quantizes for real): each linear weight [out, in]
+    of the decoder layers becomes, stored [in, out], AWQ's qweight [in, out / 8], qzeros [groups, out / 8],
+    scales [groups, out], or GPTQ's qweight [in / pack, out], scales, qzeros and g_idx [in] (I32)."""
+    quant = config["quantization_config"]
+    gptq, pack = quant["quant_method"] == "gptq", 32 // int(quant["bits"])
+    rng = np.random.default_rng(seed + 17)
+    words = lambda *shape: ("I32", list(shape), rng.integers(-2**31, 2**31, size=shape, dtype=np.int32).tobytes())
+    out: Weights = {}
+    for name, (dtype, shape, raw) in weights.items():
+        if not fp8_quantized(name, shape, set(), routers=False):
+            out[name] = (dtype, shape, raw)
+            continue
+        stem, (rows, cols) = name.removesuffix("weight"), shape
+        group = cols if quant["group_size"] == -1 else quant["group_size"]
+        groups = cols // group
+        out[stem + "qweight"] = words(cols // pack, rows) if gptq else words(cols, rows // pack)
+        out[stem + "qzeros"] = words(groups, rows // pack)
+        out[stem + "scales"] = (dtype, [groups, rows], to_dtype_bytes(rng.uniform(1e-3, 1e-2, (groups, rows)), dtype))
+        if gptq:
+            out[stem + "g_idx"] = ("I32", [cols], (np.arange(cols, dtype=np.int32) // group).tobytes())
     return out
 
 
@@ -384,8 +409,11 @@ def write_checkpoint(directory: Path, case: ModelCase, seed: int = 0,
     directory.mkdir(parents=True, exist_ok=True)
     if weights is None:
         weights = random_weights(case.config, case.dtype, seed)
-        if (case.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        method = (case.config.get("quantization_config") or {}).get("quant_method")
+        if method == "compressed-tensors":
             weights = pack_quantized(weights, case.config, seed)
+        elif method in ("awq", "gptq"):
+            weights = int_packed(weights, case.config, seed)
         elif case.config.get("quantization_config"):
             weights = fp8_block_scaled(weights, case.config, seed)
         for name in case.extra_tensors:  # e.g. a rotary buffer some exporters saved

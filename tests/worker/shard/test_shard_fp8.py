@@ -170,7 +170,7 @@ def _bf16(weights, name):
 
 
 @pytest.mark.parametrize("quantization, message", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method is 'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method is 'bitsandbytes'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor FP8"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]}, "activation_scheme"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16]}, "two positive integers"),

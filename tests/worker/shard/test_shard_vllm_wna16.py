@@ -1,35 +1,40 @@
-"""compressed-tensors pack-quantized checkpoints (W4A16: int4 weights packed
-into int32, group and channel scales, symmetric and asymmetric): Ferry's
-`sharded_state` rank files against what vLLM 0.32 itself builds in each
-worker, and the tokens it serves from them.
+"""Int4 weight-only checkpoints (W4A16: int4 weights packed into int32 with
+group or channel scales): compressed-tensors pack-quantized (symmetric and
+asymmetric), AWQ (GEMM, zero points) and GPTQ (grouped; one group per channel
+with act-order). Ferry's `sharded_state` rank files against what vLLM 0.32
+itself builds in each worker, and the tokens it serves from them.
 
-The checkpoints are written by compressed-tensors' own code (ct_checkpoint.py,
-in the vLLM venv: `calculate_qparams` and `PackedQuantizationCompressor`, the
-serialization llm-compressor uses) from the session's generated bf16
-checkpoints: the two-file Llama of the vLLM suites (CASE: its weight_shape
-tensors of one fused module sit in different files, so the part vLLM loads
-last is a file-order question), Llama 3 (TP 2 and 4) and Qwen2 (biases).
+The checkpoints are written by the quantizers' own code (quant_checkpoint.py,
+in the vLLM venv: compressed-tensors' `calculate_qparams` and
+`PackedQuantizationCompressor`, the serialization llm-compressor uses; vLLM's
+reference quantizer and AWQ/GPTQ packers, checked against AutoAWQ's) from the
+session's generated bf16 checkpoints: the two-file Llama of the vLLM suites
+(CASE: its weight_shape tensors of one fused module sit in different files,
+so the part vLLM loads last is a file-order question), Llama 3 (TP 2 and 4)
+and Qwen2 (biases, tied embeddings).
 
 1. State: vllm_fp8_state.py (no engine; vLLM's model classes, its
    quantization config and loaders in `tp` gloo workers) loads each checkpoint
-   with vLLM's default loader and Ferry's artifact with ShardedStateLoader,
-   both before process_weights_after_loading, and the two state_dicts must be
-   equal key for key (shape, dtype, sha256), with the packed weights among
-   them. One process per TP size for every checkpoint.
-2. Tokens: vLLM-CPU runs W4A16 through its CPUWNA16 kernel, so one engine
-   serves the TP 2 artifact (sharded_state, also comparing its workers' state
-   with the default loader's, vllm_generate.py "loaders") and one serves the
-   original checkpoint with the default loader at TP 2: greedy tokens equal.
-   Two engine runs in one process, shared by the token tests.
+   with vLLM's default loader and Ferry's artifact with ShardedStateLoader
+   (under the config vLLM builds from the artifact: GPTQ's reads its tensor
+   names), both before process_weights_after_loading, and the two state_dicts
+   must be equal key for key (shape, dtype, sha256), with the packed weights
+   among them. One process per TP size for every checkpoint.
+2. Tokens: vLLM-CPU runs all three through its CPUWNA16 kernel, so for each
+   method one engine serves the TP 2 artifact (sharded_state, also comparing
+   its workers' state with the default loader's, vllm_generate.py "loaders")
+   and one serves the original with the default loader at TP 2: greedy tokens
+   equal. Six engine runs in one process, shared by the token tests.
 
 Shared: the vLLM venv, the generated bf16 checkpoints (one write each), one
-ct_checkpoint.py process for every quantized checkpoint, and the two harness
+quant_checkpoint.py process for every quantized checkpoint, and the harness
 processes above.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +51,7 @@ from vllm_tokens import CPU_ENGINE_ENV, MAX_TOKENS, PROMPTS, assert_greedy_token
 HERE = Path(__file__).parent
 STATE = HERE / "vllm_fp8_state.py"
 GENERATE = HERE / "vllm_generate.py"
-PACK = HERE / "ct_checkpoint.py"
+PACK = HERE / "quant_checkpoint.py"
 GROUP32 = {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}
 
 
@@ -54,17 +59,39 @@ GROUP32 = {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": Tr
 class Quantized:
     name: str
     base: ModelCase
-    weights: dict
+    job: dict  # quant_checkpoint.py's: the method and its settings
     tps: tuple[int, ...] = (2,)
+
+    @property
+    def method(self) -> str:
+        return self.job["method"]
+
+    @property
+    def zero_point(self) -> bool:
+        return self.method == "awq" or not self.job.get("weights", {}).get("symmetric", True)
+
+
+def ct(weights: dict) -> dict:
+    return {"method": "compressed-tensors", "weights": weights}
 
 
 CHECKPOINTS = (
-    Quantized("llama-w4-g32", CASE, GROUP32),
-    Quantized("llama-w4-channel", CASE, {"num_bits": 4, "strategy": "channel", "symmetric": True}),
-    Quantized("llama-w4-g32-asym", CASE, {**GROUP32, "symmetric": False}),
-    Quantized("llama3-w4-g16", LLAMA3, {**GROUP32, "group_size": 16}, tps=(2, 4)),
-    Quantized("qwen2-w4-g32", QWEN2, GROUP32),
+    Quantized("llama-w4-g32", CASE, ct(GROUP32)),
+    Quantized("llama-w4-channel", CASE, ct({"num_bits": 4, "strategy": "channel", "symmetric": True})),
+    Quantized("llama-w4-g32-asym", CASE, ct({**GROUP32, "symmetric": False})),
+    Quantized("llama3-w4-g16", LLAMA3, ct({**GROUP32, "group_size": 16}), tps=(2, 4)),
+    Quantized("qwen2-w4-g32", QWEN2, ct(GROUP32)),
+    Quantized("llama-awq-g32", CASE, {"method": "awq", "group_size": 32}),
+    Quantized("qwen2-awq-g32", QWEN2, {"method": "awq", "group_size": 32}, tps=(2, 4)),
+    Quantized("llama3-gptq-g32", LLAMA3, {"method": "gptq", "group_size": 32}, tps=(2, 4)),
+    Quantized("llama-gptq-g32", CASE, {"method": "gptq", "group_size": 32}),
+    Quantized("qwen2-gptq-channel-actorder", QWEN2, {"method": "gptq", "group_size": -1, "desc_act": True}),
 )
+# The state_dict keys of one quantized linear module, by method: packed weight, scales, the other.
+PACKED_KEYS = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_shape"),
+               "awq": ("qweight", "scales", "qzeros"), "gptq": ("qweight", "scales", "qzeros")}
+# Served from CASE: vLLM-CPU has no attention kernel for the 16-wide heads of the others.
+SERVED = {"compressed-tensors": "llama-w4-g32", "awq": "llama-awq-g32", "gptq": "llama-gptq-g32"}
 RUNS = [(c, tp) for c in CHECKPOINTS for tp in c.tps]
 
 
@@ -74,9 +101,7 @@ def quantized(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dic
     bases = {c.base.name: root / f"bf16-{c.base.name}" for c in CHECKPOINTS}
     for case in {c.base.name: c.base for c in CHECKPOINTS}.values():
         write_checkpoint(bases[case.name], case, seed=1)
-    jobs = [{"source": str(bases[c.base.name]), "output": str(root / c.name), "weights": c.weights}
-            for c in CHECKPOINTS]
-    import subprocess
+    jobs = [{"source": str(bases[c.base.name]), "output": str(root / c.name), **c.job} for c in CHECKPOINTS]
     proc = subprocess.run([vllm_python, str(PACK), json.dumps(jobs)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {c.name: root / c.name for c in CHECKPOINTS}
@@ -104,50 +129,56 @@ def states(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", [f"{c.name}-tp{tp}" for c, tp in RUNS])
-def test_pack_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, name):
+def test_int4_rank_files_are_the_state_vllm_builds_in_each_worker(states, name):
     checkpoint = next(c for c, tp in RUNS if f"{c.name}-tp{tp}" == name)
     tp = int(name.rsplit("tp", 1)[1])
     workers = states[name]["workers"]
     assert_workers_built_the_same_state(workers, ranks=tp)
+    weight, scale, other = PACKED_KEYS[checkpoint.method]
     for worker in workers:
         dtypes = {k: v[1] for k, v in worker["default"].items()}
-        packed = [k for k, d in dtypes.items() if k.endswith(".weight_packed")]
+        packed = [k for k, d in dtypes.items() if k.endswith("." + weight)]
         # The comparison covered the packed int4 weights with their scales, for all seven linears per layer.
         assert packed and all(dtypes[k] == "int32" for k in packed), worker["tp_rank"]
-        assert all(dtypes[k.replace("weight_packed", "weight_scale")] == "bfloat16" for k in packed)
-        assert all(dtypes[k.replace("weight_packed", "weight_shape")] == "int64" for k in packed)
+        assert all(dtypes[k.replace(weight, scale)] == "bfloat16" for k in packed)
+        assert all(dtypes[k.replace(weight, other)] == ("int64" if other == "weight_shape" else "int32")
+                   for k in packed)
         assert len(packed) == 4 * checkpoint.base.config["num_hidden_layers"]  # qkv, o, gate_up, down
-        zero_points = [k for k in dtypes if k.endswith(".weight_zero_point")]
-        assert bool(zero_points) is not checkpoint.weights["symmetric"]
+        if checkpoint.method == "compressed-tensors":
+            zero_points = [k for k in dtypes if k.endswith(".weight_zero_point")]
+            assert bool(zero_points) is checkpoint.zero_point
     quantization = states[name]["manifest"]["quantization"]
-    assert quantization["method"] == "compressed-tensors" and quantization["bits"] == 4
-    assert quantization["zeroPoint"] is not checkpoint.weights["symmetric"]
+    assert quantization["method"] == checkpoint.method and quantization["bits"] == 4
+    assert quantization["zeroPoint"] is checkpoint.zero_point
 
 
 @pytest.fixture(scope="module")
 def served(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
-    """The TP 2 artifact of llama-w4-g32 served by ShardedStateLoader (with its workers' state compared
-    with the default loader's) and the original by the default loader, at TP 2, in one process."""
+    """For each method, its TP 2 artifact served by ShardedStateLoader (with its workers' state compared with
+    the default loader's) and the original by the default loader, at TP 2: six engines in one process."""
     root = tmp_path_factory.mktemp("wna16-served")
-    original = quantized["llama-w4-g32"]
-    artifact = root / "artifact"
-    ShardJob.prepare(original, artifact, tp=2).run()
     common = {"tp": 2, "pp": 1, "dtype": "bfloat16", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
               "state_dicts": False}
-    specs = [{**common, "model": str(artifact), "load_format": "sharded_state", "original": str(original)},
-             {**common, "model": str(original), "load_format": "auto"}]
-    sharded, default = run_engines(vllm_python, GENERATE, specs, env={**os.environ, **CPU_ENGINE_ENV}, cwd=root,
-                                   timeout=1500)
-    return {"sharded": sharded, "default": default}
+    specs = []
+    for method, name in SERVED.items():
+        original, artifact = quantized[name], root / name
+        ShardJob.prepare(original, artifact, tp=2).run()
+        specs += [{**common, "model": str(artifact), "load_format": "sharded_state", "original": str(original)},
+                  {**common, "model": str(original), "load_format": "auto"}]
+    results = run_engines(vllm_python, GENERATE, specs, env={**os.environ, **CPU_ENGINE_ENV}, cwd=root,
+                          timeout=1500)
+    return {method: {"sharded": results[2 * i], "default": results[2 * i + 1]} for i, method in enumerate(SERVED)}
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
-def test_vllm_serves_the_w4a16_artifact_with_the_default_loaders_tokens(served):
+@pytest.mark.parametrize("method", list(SERVED))
+def test_vllm_serves_the_int4_artifact_with_the_default_loaders_tokens(served, method):
+    run = served[method]
     # Int4 of random weights repeats itself on some prompts (measured: 3 of 6); equal tokens still prove
     # something only where it does not, so at least half the prompts must vary.
-    varied = [t for t in served["default"]["tokens"] if len(set(t)) > MAX_TOKENS // 4]
-    assert len(varied) >= len(PROMPTS) // 2, served["default"]["tokens"]
-    assert_greedy_tokens_match(served["default"], served["sharded"]["tokens"],
-                               "the pack-quantized TP 2 artifact (CPUWNA16 kernel)", require_variety=False)
-    assert_workers_built_the_same_state(served["sharded"]["loaders"])
+    varied = [t for t in run["default"]["tokens"] if len(set(t)) > MAX_TOKENS // 4]
+    assert len(varied) >= len(PROMPTS) // 2, run["default"]["tokens"]
+    assert_greedy_tokens_match(run["default"], run["sharded"]["tokens"],
+                               f"the {method} TP 2 artifact (CPUWNA16 kernel)", require_variety=False)
+    assert_workers_built_the_same_state(run["sharded"]["loaders"])

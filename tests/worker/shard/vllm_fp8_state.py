@@ -16,7 +16,8 @@ quantization config, and loads it with vLLM's loaders:
 - "default": vLLM's default loader from the original checkpoint (vLLM's own
   weight loaders cut every weight and scale for the rank);
 - "sharded": ShardedStateLoader from Ferry's artifact (raises on a missing
-  or unexpected key);
+  or unexpected key), under the config vLLM builds from the artifact's own
+  directory (GPTQ's config reads the directory's tensor names);
 
 and reports ShardedStateLoader's filtered state_dict of each as key ->
 [shape, dtype, sha256 of the bytes], before process_weights_after_loading.
@@ -72,12 +73,14 @@ def _loaded(vllm_config, model_dir: str, load_format: str) -> dict:
     return _digests(ShardedStateLoader._filter_subtensors(model.state_dict()))
 
 
-def _config(run: dict, tp: int):
+def _config(run: dict, tp: int, model: str | None = None, load_format: str = "auto"):
     from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    model_config = ModelConfig(model=run["original"], dtype="bfloat16", max_model_len=256, enforce_eager=True)
+    model_config = ModelConfig(model=model or run["original"], dtype="bfloat16", max_model_len=256,
+                               enforce_eager=True)
     parallel = ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=run.get("expert_parallel", False))
-    return VllmConfig(model_config=model_config, parallel_config=parallel, load_config=LoadConfig())
+    return VllmConfig(model_config=model_config, parallel_config=parallel,
+                      load_config=LoadConfig(load_format=load_format))
 
 
 def worker(rank: int, tp: int, port: int, runs: list, out_dir: str) -> None:
@@ -100,9 +103,12 @@ def worker(rank: int, tp: int, port: int, runs: list, out_dir: str) -> None:
             ep_rank = get_ep_group().rank_in_group
         except AssertionError:
             ep_rank = None
+        # Each load under the config vLLM builds from that directory, as an engine started on it would: a
+        # quantization config reads the model directory too (GPTQ's maybe_update_config globs its files).
         results.append({"tp_rank": get_tensor_model_parallel_rank(), "ep_rank": ep_rank,
                         "default": _loaded(config, run["original"], "auto"),
-                        "sharded": _loaded(config, run["artifact"], "sharded_state")})
+                        "sharded": _loaded(_config(run, tp, run["artifact"], "sharded_state"), run["artifact"],
+                                           "sharded_state")})
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(results))
 
 

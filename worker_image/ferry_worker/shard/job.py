@@ -12,6 +12,7 @@ overwrites what it left.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
 from .spans import BlockBuffers, piece_span, read_span
 from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION, parse_vllm_version
-from . import wna16
+from . import intpack, wna16
 from .write import SourceFiles, header_for, write_rank_files
 
 # vLLM's save_sharded_state example splits parts at 5 GiB by default.
@@ -66,7 +67,7 @@ class ShardJob:
     def total_bytes(self) -> int:
         """Bytes `run` writes: what `on_bytes` adds up to."""
         return (sum(len(header_for(f)) + f.data_bytes for f in self.plan.files)
-                + sum(p.stat().st_size for p in self.companions))
+                + sum(len(self._rewritten(p) or b"") or p.stat().st_size for p in self.companions))
 
     def run(self, *, jobs: int | None = None, on_bytes: Callable[[int], None] | None = None) -> Manifest:
         """Write the rank files and companions, then the manifest. `jobs`: files
@@ -135,12 +136,24 @@ class ShardJob:
                     raise ShardError(f"{name} does not hold the shape of its packed weight {list(wanted)} "
                                      f"(weight_packed x {self.plan.quant.pack}); the checkpoint is inconsistent")
 
+    def _rewritten(self, path: Path) -> bytes | None:
+        """The artifact's own config.json where it must say more than the checkpoint's (a GPTQ checkpoint's
+        quantized modules: intpack.IntPacked.artifact_config); None: the file is copied as it is."""
+        if path.name != "config.json" or not isinstance(self.plan.quant, intpack.IntPacked):
+            return None
+        config = self.plan.quant.artifact_config(self.checkpoint.config)
+        return None if config is None else json.dumps(config, indent=2).encode() + b"\n"
+
     def _copy_companion(self, path: Path, on_bytes: Callable[[int], None] | None) -> FileEntry:
+        rewritten = self._rewritten(path)
         with open(path, "rb") as src, atomic_file(self.output / path.name) as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        if on_bytes:
-            on_bytes(path.stat().st_size)
+            if rewritten is None:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            else:
+                dst.write(rewritten)
         final = self.output / path.name
+        if on_bytes:
+            on_bytes(final.stat().st_size)
         return FileEntry(path.name, final.stat().st_size, sha256_file(final))
 
     def _manifest_extra(self) -> dict:

@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Union
 
-from . import fp8, wna16
+from . import fp8, intpack, wna16
 from .experts import MoeTarget, check_moe, expert_ranks
 from .layouts import Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
@@ -91,6 +91,9 @@ class PlannedTensor:
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    # The dim the pieces are concatenated along: 1 for the column slices of an [in, out] tensor (AWQ, GPTQ),
+    # side by side in each row.
+    axis: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +128,7 @@ class ShardPlan:
     tied_copies: Mapping[str, str] = field(default_factory=dict)
     moe: MoeTarget = MoeTarget()
     experts: int = 0  # routed experts per MoE layer; 0 for a dense model
-    quant: fp8.BlockFp8 | wna16.PackQuantized | None = None
+    quant: Quantization | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -167,8 +170,9 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
         if not vllm.fp8_block_layout_known:
             raise ShardError(f"quantized layouts are checked against vLLM 0.32 onwards; vLLM {vllm} is "
                              f"older, so no artifact is written")
-        family = (fp8.with_scales(family, quant) if isinstance(quant, fp8.BlockFp8)
-                  else wna16.with_packed(family, quant))
+        family = _with_quantized_params(family, quant)
+        if isinstance(quant, intpack.IntPacked):
+            quant = quant.with_checkpoint_modules({name: spec.dtype for name, spec in tensors.items()})
     dims = ModelDims.from_config(family, config)
     layers = _Layers(family, config, dims, quant)
     flags = {name: flag.value(config) for name, flag in family.flags.items()}
@@ -201,18 +205,31 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
                      moe if family.is_moe else MoeTarget(), dims.experts, quant)
 
 
-def quantization(config: dict) -> fp8.BlockFp8 | wna16.PackQuantized | None:
+Quantization = Union[fp8.BlockFp8, wna16.PackQuantized, intpack.IntPacked]
+
+
+def quantization(config: dict) -> Quantization | None:
     """The checkpoint's quantization as ferry shard cuts it (None: unquantized), or a ShardError naming the
     setting it does not cut."""
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == wna16.METHOD:
         return wna16.pack_quantized(qc)
+    if isinstance(qc, dict) and qc.get("quant_method") in (intpack.AWQ, intpack.GPTQ):
+        return intpack.int_packed(qc)
     if isinstance(qc, dict) and qc.get("quant_method") not in (None, "fp8"):
         raise ShardError(f"config.json: quantization_config.quant_method is {qc.get('quant_method')!r}; ferry "
-                         f"shard cuts unquantized, FP8 block-scaled (\"fp8\" with weight_block_size) and "
-                         f"compressed-tensors pack-quantized checkpoints, and writes no layout it has not checked "
-                         f"against vLLM")
+                         f"shard cuts unquantized, FP8 block-scaled (\"fp8\" with weight_block_size), AWQ, GPTQ "
+                         f"and compressed-tensors pack-quantized checkpoints, and writes no layout it has not "
+                         f"checked against vLLM")
     return fp8.block_fp8(config)
+
+
+def _with_quantized_params(family: Family, quant: Quantization) -> Family:
+    if isinstance(quant, fp8.BlockFp8):
+        return fp8.with_scales(family, quant)
+    if isinstance(quant, intpack.IntPacked):
+        return intpack.with_packed(family, quant)
+    return wna16.with_packed(family, quant)
 
 
 def _model_dtype(family: Family, dims: ModelDims, tensors: Mapping[str, TensorSpec]) -> str:
@@ -225,8 +242,7 @@ class _Layers:
     """Which decoder layers are MoE layers, which of their linear weights are
     quantized, and which layer params each holds."""
 
-    def __init__(self, family: Family, config: dict, dims: ModelDims,
-                 quant: fp8.BlockFp8 | wna16.PackQuantized | None = None):
+    def __init__(self, family: Family, config: dict, dims: ModelDims, quant: Quantization | None = None):
         self.family, self.config, self.count, self.quant = family, config, dims.layers, quant
         self._kinds: list[Mlp] | None = None
 
@@ -281,15 +297,18 @@ def _layer_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
 
 def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
     shape = dims.shape(source.hf_shape)
-    return shape if source.block in (None, wna16.WHOLE) else fp8.scale_shape(shape, source.block)
+    if source.block in (None, wna16.WHOLE):
+        return shape
+    blocks = fp8.scale_shape(shape, source.block)
+    return blocks[::-1] if source.transposed else blocks
 
 
 def _check_quantized_dtypes(family: Family, dims: ModelDims, flags: Mapping[str, bool],
                             tensors: Mapping[str, TensorSpec], layers: "_Layers", skipped: Mapping[str, str]) -> None:
     """Quantized weights FP8, their scales float32, nothing else FP8 (fp8.check_dtypes); the packed tensors
     of a pack-quantized checkpoint as vLLM allocates them (wna16)."""
-    if isinstance(layers.quant, wna16.PackQuantized):
-        roles = {name: wna16.role(name) for i, param, _, name in _layer_sources(family, dims, flags, layers)
+    if isinstance(layers.quant, (wna16.PackQuantized, intpack.IntPacked)):
+        roles = {name: layers.quant.role(name) for i, param, _, name in _layer_sources(family, dims, flags, layers)
                  if param.is_scale}
         layers.quant.check_dtypes({n: t.dtype for n, t in tensors.items()}, roles,
                                   _model_dtype(family, dims, tensors))
@@ -377,6 +396,8 @@ def _skipped_tensors(family: Family, dims: ModelDims, tensors: Mapping[str, Tens
             skipped[name] = "non-persistent buffer that vLLM does not load"
         elif (m := LAYER_INDEX.match(name)) and int(m.group(1)) in extra_layers:
             skipped[name] = f"layer past num_hidden_layers ({family.extra_layers_key}), which vLLM's model skips"
+        elif isinstance(layers.quant, intpack.IntPacked) and name.endswith(intpack.DROPPED_SUFFIX):
+            skipped[name] = "GPTQ act-order index, which vLLM's checkpoint weight mapper drops"
     return skipped
 
 
@@ -499,9 +520,15 @@ class _Cutter:
         if entry.experts:
             return self._cut_experts(entry, rank)
         pieces = self._concatenation(entry.name, entry.sources, rank, self.tp)
+        dtype = self._dtype(entry.name, entry.sources)
+        if entry.sources[0].transposed and isinstance(pieces[0], Columns):  # [in, out]: parts side by side
+            rows = {self._piece_rows(p) for p in pieces}
+            assert len(rows) == 1 and all(isinstance(p, Columns) for p in pieces), entry.name
+            width = sum(p.stop - p.start for p in pieces)
+            return PlannedTensor(entry.name, dtype, (rows.pop(), width), tuple(pieces), axis=1)
         rows = sum(self._piece_rows(p) for p in pieces)
         trailing = self._trailing_shape(entry.sources[0], pieces[0])
-        return PlannedTensor(entry.name, self._dtype(entry.name, entry.sources), (rows, *trailing), tuple(pieces))
+        return PlannedTensor(entry.name, dtype, (rows, *trailing), tuple(pieces))
 
     def _cut_experts(self, entry: _Entry, rank: int) -> PlannedTensor:
         """FusedMoE's stack: for each expert the rank holds, its sources cut by
@@ -527,8 +554,9 @@ class _Cutter:
             last = max(sources, key=lambda s: (wna16.natural_key(self.tensors[s.hf_name].file), s.hf_name))
             return [Rows(last.hf_name, 0, self.tensors[last.hf_name].shape[0])]
         weights = [(s, p) for s in sources for p in self._cut_source(fp8.weight_source(s), rank, tp)]
-        return [self._in_blocks(name, scale, piece, rank, tp, last=i == len(weights) - 1)
-                for i, (scale, piece) in enumerate(weights)]
+        pieces = [self._in_blocks(name, scale, piece, rank, tp, last=i == len(weights) - 1)
+                  for i, (scale, piece) in enumerate(weights)]
+        return [_transposed(p) for p in pieces] if sources[0].transposed else pieces
 
     def _in_blocks(self, name: str, scale: Source, piece: Piece, rank: int, tp: int, *, last: bool) -> Piece:
         """The scale piece that covers weight `piece`. vLLM allocates
@@ -545,11 +573,14 @@ class _Cutter:
         if not fp8_scale:  # packed words and groups: whole on every axis (expected_sources checked), no tail
             last = False
         if piece.start % block or (piece.stop % block and (piece.stop != extent or not last)):
-            what = "FP8 scale blocks" if fp8_scale else "quantization blocks"
+            what = "FP8 scale blocks" if fp8_scale else "quantization blocks (packed words or groups)"
+            fitting = [str(t) for t in (1, 2, 4, 8, 16, 32, 64) if extent % (t * block) == 0]
             raise ShardError(f"{name} at tensor parallel size {tp}: rank {rank} would hold {axis} "
-                             f"[{piece.start}, {piece.stop}) of {piece.source}, which is not whole {block}-wide "
+                             f"[{piece.start}, {piece.stop}) of {piece.source} (its weight's "
+                             f"{'outputs' if axis == 'rows' else 'inputs'}), which is not whole {block}-wide "
                              f"{what} ({piece.stop - piece.start} {axis}); vLLM cannot load that cut, so choose "
-                             f"a tensor-parallel size that leaves each rank a multiple of {block}")
+                             f"a tensor-parallel size that leaves each rank a multiple of {block}"
+                             f" (for this tensor: {', '.join(fitting) or 'none'})")
         start, stop = piece.start // block, -(-piece.stop // block)
         return Rows(scale.hf_name, start, stop) if isinstance(piece, Rows) else Columns(scale.hf_name, start, stop)
 
@@ -615,6 +646,14 @@ def _check_whole_blocks(name: str, block_tensor: Source, rows: int, columns: int
         if size and extent % size:
             raise ShardError(f"{name}: its weight has {extent} {axis}, not a multiple of the {size}-wide "
                              f"blocks it is packed or grouped in; vLLM cannot load it")
+
+
+def _transposed(piece: Piece) -> Piece:
+    """The same slice of an [in, out] tensor: a weight's rows are its columns."""
+    if isinstance(piece, Rows):
+        return Columns(piece.source, piece.start, piece.stop)
+    assert isinstance(piece, Columns), piece
+    return Rows(piece.source, piece.start, piece.stop)
 
 
 def _for_expert(source: Source, expert: int) -> Source:

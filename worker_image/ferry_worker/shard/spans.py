@@ -90,6 +90,28 @@ def read_span(fd: int, span: Span, buffers: BlockBuffers) -> Iterator[memoryview
         yield view[:rows * span.length]
 
 
+def read_side_by_side(parts: list[tuple[int, Span]], block_bytes: int = BLOCK_BYTES) -> Iterator[memoryview]:
+    """Yield the rows of the concatenation along dim 1 of `parts` ((fd, span) of column slices with the same
+    row count), in chunks of whole rows: each part's runs of a block of rows read at once (as `read_span`
+    does) and gathered side by side. Memory: about two blocks, or two rows where a row is larger."""
+    count = parts[0][1].count
+    width = sum(span.length for _, span in parts)
+    rows_per_block = max(1, block_bytes // max(width, *(span.stride for _, span in parts)))
+    out = np.empty((rows_per_block, width), dtype=np.uint8)
+    read = bytearray(rows_per_block * max(span.stride for _, span in parts))
+    source = np.frombuffer(read, dtype=np.uint8)
+    for first in range(0, count, rows_per_block):
+        rows = min(rows_per_block, count - first)
+        column = 0
+        for fd, span in parts:
+            needed = (rows - 1) * span.stride + span.length
+            _pread_exactly(fd, memoryview(read)[:needed], span.offset + first * span.stride)
+            runs = np.lib.stride_tricks.as_strided(source, shape=(rows, span.length), strides=(span.stride, 1))
+            np.copyto(out[:rows, column:column + span.length], runs)
+            column += span.length
+        yield memoryview(out[:rows]).cast("B")
+
+
 def write_span(fd: int, span: Span, data: memoryview, position: int) -> None:
     """Write `data`, the bytes of `span` from byte `position` of the span on, in place."""
     if span.contiguous:

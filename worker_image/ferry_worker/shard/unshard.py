@@ -172,7 +172,9 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
             if isinstance(piece, (Rows, Columns)):
                 spec = specs[piece.source]
                 dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
-                here = Span(position, dest.nbytes)
+                # Along dim 1 a piece is a run in each of the tensor's rows; `position` is its first byte.
+                here = (Span(position, dest.length, dest.count, row_bytes) if tensor.axis == 1
+                        else Span(position, dest.nbytes))
                 earlier = coverage.first_copy(piece.source, piece, rank_file, here)
                 if earlier is None:
                     written = 0
@@ -181,7 +183,7 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
                         written += len(chunk)
                 else:
                     _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
-                position += dest.nbytes
+                position += dest.length if tensor.axis == 1 else dest.nbytes
             elif isinstance(piece, ZeroRows):
                 nbytes = piece.count * row_bytes
                 if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):

@@ -67,6 +67,9 @@ class PackQuantized:
                 "strategy": "group" if self.group else "channel", **({"groupSize": self.group} if self.group else {}),
                 "zeroPoint": not self.symmetric, "actOrder": False}
 
+    def role(self, name: str) -> str | None:
+        return role(name)
+
     def check_dtypes(self, tensors: Mapping[str, str], roles: Mapping[str, str], model_dtype: str) -> None:
         """Packed values and zero points int32, weight_shape int64, scales the model dtype (vLLM allocates
         them so and would only warn and cast), nothing of a quantized module left unpacked."""

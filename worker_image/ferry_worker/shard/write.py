@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Mapping
 
 from ..manifest import BlockHasher, FileEntry, atomic_file
 from .plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
-from .spans import BlockBuffers, piece_span, read_span, zeros
+from .spans import BlockBuffers, Span, piece_span, read_side_by_side, read_span, zeros
 from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize
 
 OnBytes = Callable[[int], None]
@@ -91,6 +91,9 @@ def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[st
 
 
 def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:
+    if tensor.axis == 1:
+        yield from read_side_by_side([(sources.fd(p.source), _span(p, sources)) for p in tensor.pieces])
+        return
     row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
     for piece in tensor.pieces:
         if isinstance(piece, (Rows, Columns)):
@@ -103,6 +106,11 @@ def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuff
             yield piece.data
         else:
             raise AssertionError(piece)
+
+
+def _span(piece: Rows | Columns, sources: SourceFiles) -> Span:
+    loc = sources.locations[piece.source]
+    return piece_span(piece, loc.offset, loc.dtype, loc.shape)
 
 
 def _serialized(on_bytes: OnBytes | None) -> OnBytes:

@@ -69,6 +69,10 @@ class Source:
     # are blocks of a weight the checkpoint does not hold unpacked. A block of 0 columns spans the whole
     # input: one per-channel scale per row, whole on every rank of a row-parallel cut.
     weight: str | None = None
+    # With `block`: the tensor is stored [in, out], the transpose of its weight's blocks (AWQ and GPTQ:
+    # `qweight`, `qzeros`, `scales`), so a column-parallel cut is its columns and fused parts sit side by
+    # side along dim 1 (plan.py's PlannedTensor.axis).
+    transposed: bool = False
 
     @property
     def hf_shape(self) -> tuple[str, ...]:

@@ -1,0 +1,136 @@
+"""Run by the vLLM venv's python (e2e/vllm/install.sh), not by pytest.
+
+    python quant_checkpoint.py '[{"source": DIR, "output": DIR, "method": "compressed-tensors",
+                                  "weights": {"num_bits": 4, "strategy": "group", "group_size": 32,
+                                              "symmetric": true}},
+                                 {"source": DIR, "output": DIR, "method": "awq", "group_size": 32},
+                                 {"source": DIR, "output": DIR, "method": "gptq", "group_size": -1,
+                                  "desc_act": true}]'
+
+Quantized checkpoints as their quantizers write them, from SOURCE's bf16 weights
+(round to nearest over min/max per group or per channel; each tensor stays in
+the file it was in; config.json gains the quantizer's quantization_config):
+
+- compressed-tensors `pack-quantized` (llm-compressor's serialization), by
+  compressed-tensors' own code (0.17, the release vLLM 0.32 installs):
+  `calculate_qparams`, then `PackedQuantizationCompressor.compress` writes
+  weight_packed, weight_scale, weight_shape (and weight_zero_point when
+  asymmetric);
+- AWQ (AutoAWQ's GEMM layout) and GPTQ (AutoGPTQ's v1 layout), by vLLM's own
+  reference quantizer and packers (quantization/utils/quant_utils.py:
+  `quantize_weights`, `awq_pack`, `gptq_pack`, `pack_cols`; vLLM's kernel
+  tests build their AWQ/GPTQ weights with them). AWQ: qweight [in, out/8] in
+  AWQ's interleaved word order, qzeros [groups, out/8], scales [groups, out],
+  with zero points; checked against AutoAWQ 0.2.9's WQLinear_GEMM.from_linear
+  (same bytes; docs/worker-shard.md). GPTQ: qweight [in/8, out] packed along
+  the input, symmetric (uint4b8), qzeros the v1 constant zero - 1, scales
+  [groups, out], g_idx (i // group, or all 0 per channel).
+
+Only q/k/v/o and gate/up/down of the decoder layers are quantized.
+"""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def pack_quantized(weight, scheme):
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.weights
+    w = weight.to(torch.float32)
+    rows, cols = w.shape
+    width = args.group_size if args.strategy == "group" else cols
+    grouped = w.reshape(rows, cols // width, width)
+    scale, zero = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
+    state = {"weight": weight, "weight_scale": scale.to(weight.dtype), "weight_zero_point": zero}
+    return PackedQuantizationCompressor.compress(state, scheme)
+
+
+def awq(weight, group_size: int) -> dict:
+    import torch
+    from vllm.model_executor.layers.quantization.utils.quant_utils import awq_pack, quantize_weights
+    from vllm.scalar_type import scalar_types
+
+    w = weight.to(torch.float32).t().contiguous()  # AWQ stores [in, out]
+    size_k, size_n = w.shape
+    _, q, scales, zeros = quantize_weights(w, scalar_types.uint4, group_size, zero_points=True)
+    return {"qweight": awq_pack(q, 4, size_k, size_n), "qzeros": awq_pack(zeros, 4, size_k // group_size, size_n),
+            "scales": scales.to(weight.dtype)}
+
+
+def gptq(weight, group_size: int) -> dict:
+    import torch
+    from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack, pack_cols, quantize_weights
+    from vllm.scalar_type import scalar_types
+
+    w = weight.to(torch.float32).t().contiguous()  # GPTQ stores [in, out]
+    size_k, size_n = w.shape
+    _, q, scales, _ = quantize_weights(w, scalar_types.uint4b8, group_size)
+    groups = scales.shape[0]
+    zeros = torch.full((groups, size_n), 7, dtype=torch.int32)  # v1: the symmetric zero 8, minus one
+    width = size_k if group_size == -1 else group_size
+    return {"qweight": gptq_pack(q, 4, size_k, size_n), "qzeros": pack_cols(zeros, 4, groups, size_n),
+            "scales": scales.to(weight.dtype), "g_idx": (torch.arange(size_k) // width).to(torch.int32)}
+
+
+def quantizer(job: dict):
+    """(tensors of one Linear weight, quantization_config) for the job's method."""
+    method = job["method"]
+    if method == "compressed-tensors":
+        import compressed_tensors
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(type="int", **job["weights"]))
+        return lambda w: pack_quantized(w, scheme), {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {**json.loads(scheme.model_dump_json()), "format": "pack-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "version": compressed_tensors.__version__}
+    group = job["group_size"]
+    if method == "awq":
+        return lambda w: awq(w, group), {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                         "version": "gemm", "modules_to_not_convert": None}
+    assert method == "gptq", method
+    return lambda w: gptq(w, group), {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": job.get("desc_act", False),
+        "sym": True, "lm_head": False, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+        "checkpoint_format": "gptq"}
+
+
+def main(source: Path, output: Path, job: dict) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    quantize, quantization_config = quantizer(job)
+    output.mkdir(parents=True)
+    index = {}
+    for path in sorted(source.glob("*.safetensors")):
+        tensors = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                tensor = f.get_tensor(name)
+                module, _, leaf = name.rpartition(".")
+                if leaf == "weight" and module.rsplit(".", 1)[-1] in LINEARS:
+                    for key, value in quantize(tensor).items():
+                        tensors[f"{module}.{key}"] = value.contiguous()
+                else:
+                    tensors[name] = tensor
+        save_file(tensors, str(output / path.name), metadata={"format": "pt"})
+        index.update({name: path.name for name in tensors})
+    for companion in source.iterdir():
+        if companion.suffix != ".safetensors" and companion.name != "model.safetensors.index.json":
+            shutil.copy(companion, output / companion.name)
+    if (source / "model.safetensors.index.json").exists():
+        (output / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (output / "config.json").write_text(json.dumps(config, indent=1))
+
+
+if __name__ == "__main__":
+    for job in json.loads(sys.argv[1]):  # one process for all: the imports dominate
+        main(Path(job["source"]), Path(job["output"]), job)

@@ -1,0 +1,116 @@
+"""AWQ and GPTQ checkpoints without vLLM: what ferry shard refuses before a byte
+is written, what its manifest and the artifact's config.json record, and
+`unshard` rebuilding every tensor bit for bit from rank files whose fused
+parts sit side by side along dim 1. The layout itself is proven against vLLM
+0.32 in test_shard_vllm_wna16.py; these checkpoints hold random packed words
+(checkpoints.int_packed). Shares nothing heavier than a generated checkpoint
+per test."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from checkpoints import LLAMA3, MIXTRAL, QWEN2, ModelCase, read_safetensors
+from ferry_worker.manifest import read_manifest
+from ferry_worker.shard.job import ShardJob
+from ferry_worker.shard.model import ShardError
+from ferry_worker.shard.unshard import unshard
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+       "modules_to_not_convert": None}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True, "lm_head": False,
+        "checkpoint_format": "gptq", "damp_percent": 0.01}
+
+
+def quantized(case: ModelCase, base: dict, **settings) -> ModelCase:
+    config = copy.deepcopy(case.config)
+    config["quantization_config"] = {**base, **settings}
+    return ModelCase(f"{case.name}-{base['quant_method']}", config, case.dtype, files=2)
+
+
+def tensors(directory) -> dict:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(read_safetensors(path))
+    return out
+
+
+@pytest.mark.parametrize("case,tp", [
+    (quantized(LLAMA3, AWQ), 4), (quantized(QWEN2, AWQ), 2), (quantized(LLAMA3, GPTQ), 4),
+    (quantized(QWEN2, GPTQ, group_size=-1, desc_act=True), 2), (quantized(LLAMA3, GPTQ, bits=8, group_size=64), 2),
+], ids=["awq-llama3-tp4", "awq-qwen2", "gptq-llama3-tp4", "gptq-channel-actorder", "gptq-int8"])
+def test_every_tensor_comes_back_bit_for_bit(make_checkpoint, tmp_path, case, tp):
+    """At TP 4 Llama 3's two KV heads are each replicated on two ranks: unshard also proves the replicas
+    equal. g_idx is the one tensor vLLM drops, so the artifact does not hold it."""
+    source, _ = make_checkpoint(case)
+    ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
+    unshard(tmp_path / "cut", tmp_path / "back")
+    original, back = tensors(source), tensors(tmp_path / "back")
+    assert back == {k: v for k, v in original.items() if "rotary" not in k and not k.endswith(".g_idx")}
+    manifest = read_manifest(tmp_path / "cut").extra
+    qc = case.config["quantization_config"]
+    assert manifest["quantization"]["method"] == qc["quant_method"]
+    assert manifest["quantization"]["bits"] == qc["bits"]
+    assert manifest["quantization"].get("groupSize", -1) == qc["group_size"]
+    dropped = {k for k in original if k.endswith(".g_idx")}
+    assert set(manifest["skippedTensors"]) >= dropped and bool(dropped) is (qc["quant_method"] == "gptq")
+
+
+def test_a_gptq_artifact_names_its_quantized_modules(make_checkpoint, tmp_path):
+    """vLLM's GPTQ config, given none, derives the quantized modules from the directory it serves: from an
+    artifact, the fused qkv_proj/gate_up_proj, which match no unfused module, so every fused layer would be
+    built unquantized. The artifact's config.json names the checkpoint's own modules instead."""
+    source, _ = make_checkpoint(quantized(LLAMA3, GPTQ))
+    ShardJob.prepare(source, tmp_path / "cut", tp=2).run()
+    listed = json.loads((tmp_path / "cut" / "config.json").read_text())["quantization_config"][
+        "modules_in_block_to_quantize"]
+    layers = LLAMA3.config["num_hidden_layers"]
+    assert len(listed) == 7 * layers and "model.layers.0.self_attn.q_proj" in listed
+    assert not any("qkv_proj" in m or "gate_up_proj" in m for m in listed)
+    awq_source, _ = make_checkpoint(quantized(QWEN2, AWQ))
+    ShardJob.prepare(awq_source, tmp_path / "awq", tp=2).run()
+    assert (tmp_path / "awq" / "config.json").read_bytes() == (awq_source / "config.json").read_bytes()
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"quant_method": "gptq", "desc_act": True}, "desc_act (act-order) with 32-input groups"),
+    ({"quant_method": "gptq", "group_size": 256}, "group sizes -1, 32, 64, 128"),
+    ({"quant_method": "gptq", "sym": False}, "symmetric weights only"),
+    ({"quant_method": "gptq", "dynamic": {"+:.*": {"bits": 8}}}, "per-module overrides"),
+    ({"quant_method": "gptq", "lm_head": True}, "unquantized LM head"),
+    ({"bits": 8}, "4-bit weights only"),
+    ({"version": "gemv"}, "GEMV checkpoint would not load"),
+    ({"group_size": -1}, "grouped AWQ only"),
+    ({"bits": "4"}, "must be integers"),
+    ({"modules_to_not_convert": ["self_attn.q_proj"]}, "lists only some parts of model.layers.0.self_attn.qkv_proj"),
+], ids=["gptq-actorder-groups", "gptq-group-256", "gptq-asym", "gptq-dynamic", "lm-head", "awq-8bit", "awq-gemv",
+        "awq-channel", "string-bits", "awq-half-fused"])
+def test_what_vllm_would_not_load_is_refused_by_name(make_checkpoint, tmp_path, settings, words):
+    base = GPTQ if settings.get("quant_method") == "gptq" else AWQ
+    source, _ = make_checkpoint(quantized(LLAMA3, base))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"].update(settings)
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardError, match="config.json") as refused:
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+    assert words in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cut_that_splits_a_group_is_refused_with_the_sizes_that_fit(make_checkpoint, tmp_path):
+    """vLLM's AWQ and GPTQ methods allocate I // group groups per rank and never check the remainder, so a
+    row-parallel rank holding half a group would load misplaced scales: refused, naming what fits."""
+    source, _ = make_checkpoint(quantized(LLAMA3, GPTQ, group_size=64))  # hidden 128: 32 inputs per rank at TP 4
+    with pytest.raises(ShardError) as refused:
+        ShardJob.prepare(source, tmp_path / "out", tp=4)
+    message = str(refused.value)
+    assert "o_proj.scales at tensor parallel size 4" in message and "not whole 64-wide" in message
+    assert "(for this tensor: 1, 2)" in message
+
+
+def test_awq_experts_are_refused_until_cut(make_checkpoint, tmp_path):
+    source, _ = make_checkpoint(quantized(MIXTRAL, AWQ))
+    with pytest.raises(ShardError, match="AWQ experts are not cut by ferry shard yet"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
