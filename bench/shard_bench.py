@@ -1,7 +1,7 @@
 """Benchmark `ferry shard` against `cp -r` of the same checkpoint, in one run.
 
     .venv/bin/python bench/shard_bench.py [--workdir DIR] [--layers 8] [--tp 4] [--runs 3] [--baseline CMD]
-                                          [--model mixtral [--expert-parallel]] [--fp8 | --w4a16]
+                                          [--model mixtral [--expert-parallel]] [--fp8 | --w4a16 | --awq]
 
 Generates a Llama-3-8B-shaped checkpoint (hidden 4096, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256, bf16; `--layers` decoder layers: 8 gives
@@ -20,7 +20,10 @@ so that the block-unit scale cuts are timed too. `--w4a16` writes it as a
 compressed-tensors pack-quantized W4A16 release (llm-compressor's layout: every
 decoder linear weight int4 packed into I32 `weight_packed` [out, in/8], a bf16
 `weight_scale` per 128 inputs and an I64 `weight_shape`), the packed cuts
-timed. Everything it writes is removed at the end.
+timed. `--awq` writes it as an AutoAWQ GEMM release (every decoder linear
+weight stored [in, out]: I32 `qweight` [in, out/8], I32 `qzeros` and bf16
+`scales` per 128 inputs), so the column cuts of fused modules, side by side
+along dim 1, are timed. Everything it writes is removed at the end.
 """
 from __future__ import annotations
 
@@ -132,6 +135,22 @@ def w4a16_tensors(shapes: dict[str, list[int]]) -> dict[str, tuple[str, list[int
     return tensors
 
 
+def awq_tensors(shapes: dict[str, list[int]]) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) of an AutoAWQ GEMM release: decoder linear weights (not routers) as I32 qweight
+    [in, out / 8], I32 qzeros [in / 128, out / 8], bf16 scales [in / 128, out]; the rest bf16."""
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for name, shape in shapes.items():
+        if name.startswith("model.layers.") and len(shape) == 2 and not name.endswith(".gate.weight"):
+            stem, (out, inputs) = name.removesuffix("weight"), shape
+            tensors[stem + "qweight"] = ("I32", [inputs, out // 8])
+            tensors[stem + "qzeros"] = ("I32", [inputs // W4A16_GROUP, out // 8])
+            tensors[stem + "scales"] = ("BF16", [inputs // W4A16_GROUP, out])
+        else:
+            tensors[name] = ("BF16", shape)
+    return tensors
+
+
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": W4A16_GROUP, "zero_point": True, "version": "gemm"}
 W4A16_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                     "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
@@ -139,13 +158,13 @@ W4A16_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized"
 
 
 def write_checkpoint(directory: Path, layers: int, model: str = "llama", fp8: bool = False,
-                     w4a16: bool = False) -> int:
+                     w4a16: bool = False, awq: bool = False) -> int:
     """A checkpoint in files of at most FILE_LIMIT bytes of data, with an index. Returns its size."""
     from ferry_worker.shard.tensors import HeaderEntry, encode_header
 
     config, shapes = MODELS[model]
     tensors = (fp8_tensors(shapes(layers)) if fp8 else w4a16_tensors(shapes(layers)) if w4a16
-               else {n: ("BF16", s) for n, s in shapes(layers).items()})
+               else awq_tensors(shapes(layers)) if awq else {n: ("BF16", s) for n, s in shapes(layers).items()})
     values = {n: struct.pack("<2q", *t[2]) for n, t in tensors.items() if len(t) == 3}  # weight_shape
     tensors = {n: t[:2] for n, t in tensors.items()}
     directory.mkdir(parents=True)
@@ -155,6 +174,8 @@ def write_checkpoint(directory: Path, layers: int, model: str = "llama", fp8: bo
                                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
     if w4a16:
         settings["quantization_config"] = W4A16_CONFIG
+    if awq:
+        settings["quantization_config"] = AWQ_CONFIG
     (directory / "config.json").write_text(json.dumps(settings, indent=2))
     (directory / "generation_config.json").write_text('{"bos_token_id": 128000, "eos_token_id": 128001}')
     groups: list[list[tuple[str, str, list[int]]]] = [[]]
@@ -214,6 +235,7 @@ def main() -> int:
     ap.add_argument("--expert-parallel", action="store_true", help="mixtral: cut whole experts per rank")
     ap.add_argument("--fp8", action="store_true", help="an FP8 block-scaled checkpoint (128 x 128 blocks)")
     ap.add_argument("--w4a16", action="store_true", help="a compressed-tensors pack-quantized W4A16 checkpoint")
+    ap.add_argument("--awq", action="store_true", help="an AutoAWQ GEMM checkpoint (4-bit, group 128)")
     ap.add_argument("--ferry", default=f"{sys.executable} -m ferry_worker.cli",
                     help="the ferry command to time (default: %(default)s)")
     ap.add_argument("--baseline", help="another ferry command, timed in the same runs (e.g. 'env "
@@ -225,7 +247,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ferry-shard-bench-", dir=args.workdir))
     try:
         source = root / "checkpoint"
-        checkpoint_bytes = write_checkpoint(source, args.layers, args.model, args.fp8, args.w4a16)
+        checkpoint_bytes = write_checkpoint(source, args.layers, args.model, args.fp8, args.w4a16, args.awq)
         if shutil.disk_usage(root).free < 2.5 * checkpoint_bytes:
             raise SystemExit(f"{root}: needs {2.5 * checkpoint_bytes / 1e9:.1f} GB free for the copies")
         ferries = {"ferry shard": args.ferry} | ({"ferry shard (baseline)": args.baseline} if args.baseline else {})
@@ -249,7 +271,7 @@ def main() -> int:
                 shutil.rmtree(target)
         median = {label: statistics.median(values) for label, values in times.items()}
         report = {
-            "checkpoint": {"model": args.model, "layers": args.layers, "fp8": args.fp8, "w4a16": args.w4a16,
+            "checkpoint": {"model": args.model, "layers": args.layers, "fp8": args.fp8, "w4a16": args.w4a16, "awq": args.awq,
                            "bytes": checkpoint_bytes,
                            "files": len(list(source.glob("*.safetensors")))},
             "tensorParallelSize": args.tp,

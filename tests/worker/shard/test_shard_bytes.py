@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ferry_worker.shard.plan import Columns, Rows
-from ferry_worker.shard.spans import BlockBuffers, Span, piece_span, read_span, write_span
+from ferry_worker.shard.spans import BlockBuffers, Span, piece_span, read_side_by_side, read_span, write_span
 
 MATRIX = np.arange(12 * 40, dtype=np.uint16).reshape(12, 40)  # 80-byte rows
 OFFSET = 24  # the tensor sits after some other bytes in its file
@@ -33,6 +33,18 @@ def test_read_span_yields_the_slice_in_order(matrix_file, block, piece, expected
     chunks = [bytes(c) for c in read_span(matrix_file, span, BlockBuffers(block))]
     assert all(len(c) <= block for c in chunks)
     assert b"".join(chunks) == np.ascontiguousarray(expected).tobytes()
+
+
+@pytest.mark.parametrize("block", [16, 64, 100, 200, 4096])
+def test_read_side_by_side_concatenates_column_slices_along_dim_1(matrix_file, block):
+    """An [in, out] tensor's fused parts (AWQ, GPTQ): each row is the parts' runs in order. Blocks below a
+    row's 80 bytes go run by run, reading no more than a block at a time."""
+    pieces = [Columns("t", 30, 40), Columns("t", 0, 5), Columns("t", 12, 13)]
+    parts = [(matrix_file, piece_span(p, OFFSET, "BF16", MATRIX.shape)) for p in pieces]
+    chunks = [bytes(c) for c in read_side_by_side(parts, block)]
+    expected = np.concatenate([MATRIX[:, 30:40], MATRIX[:, 0:5], MATRIX[:, 12:13]], axis=1)
+    assert b"".join(chunks) == np.ascontiguousarray(expected).tobytes()
+    assert all(len(c) <= max(block, 32) for c in chunks)  # whole rows of 32 bytes when a block holds one
 
 
 @pytest.mark.parametrize("piece", [Rows("t", 2, 9), Columns("t", 5, 25)])

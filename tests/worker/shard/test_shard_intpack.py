@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from checkpoints import LLAMA3, MIXTRAL, QWEN2, ModelCase, read_safetensors
+from checkpoints import LLAMA3, MIXTRAL, PHI3, QWEN2, ModelCase, read_safetensors, write_weights
 from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
@@ -85,8 +85,11 @@ def test_a_gptq_artifact_names_its_quantized_modules(make_checkpoint, tmp_path):
     ({"group_size": -1}, "grouped AWQ only"),
     ({"bits": "4"}, "must be integers"),
     ({"modules_to_not_convert": ["self_attn.q_proj"]}, "lists only some parts of model.layers.0.self_attn.qkv_proj"),
+    ({"q_group_size": 64}, "wrong shape(s): model.layers.0.self_attn.q_proj.qzeros"),  # vLLM reads it first
+    ({"quant_method": "gptq", "sym": None}, "symmetric weights only"),
 ], ids=["gptq-actorder-groups", "gptq-group-256", "gptq-asym", "gptq-dynamic", "lm-head", "awq-8bit", "awq-gemv",
-        "awq-channel", "string-bits", "awq-half-fused"])
+        "awq-channel", "string-bits", "awq-half-fused", "awq-keys-vllm-reads-first",
+        "gptq-sym-null"])
 def test_what_vllm_would_not_load_is_refused_by_name(make_checkpoint, tmp_path, settings, words):
     base = GPTQ if settings.get("quant_method") == "gptq" else AWQ
     source, _ = make_checkpoint(quantized(LLAMA3, base))
@@ -113,4 +116,36 @@ def test_a_cut_that_splits_a_group_is_refused_with_the_sizes_that_fit(make_check
 def test_awq_experts_are_refused_until_cut(make_checkpoint, tmp_path):
     source, _ = make_checkpoint(quantized(MIXTRAL, AWQ))
     with pytest.raises(ShardError, match="AWQ experts are not cut by ferry shard yet"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+@pytest.mark.parametrize("missing", ["zero_point", "desc_act"])
+def test_a_setting_vllm_requires_is_required(make_checkpoint, tmp_path, missing):
+    base = AWQ if missing == "zero_point" else GPTQ
+    source, _ = make_checkpoint(quantized(LLAMA3, base))
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"][missing]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardError, match=f"{missing} is missing; vLLM 0.32 refuses"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+def test_an_integer_tensor_outside_a_quantized_module_is_refused(make_checkpoint, tmp_path):
+    """Without modules_in_block_to_quantize vLLM counts the module of every integer tensor as quantized; a
+    g_idx (which the cut skips) with no qweight beside it would put a module no one can read back into the
+    artifact's config.json."""
+    source, weights = make_checkpoint(quantized(LLAMA3, GPTQ))
+    weights["model.layers.0.self_attn.rotary.g_idx"] = ("I32", [4], bytes(16))
+    for path in source.glob("*.safetensors"):
+        path.unlink()
+    write_weights(source, weights, 2)
+    with pytest.raises(ShardError, match="integer tensor.*model.layers.0.self_attn.rotary.g_idx"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+def test_a_checkpoint_with_fused_modules_is_refused(make_checkpoint, tmp_path):
+    """Phi-3 ships qkv_proj and gate_up_proj fused; vLLM then asks the quantization config about the fused
+    names themselves, which Ferry's module rules do not model yet."""
+    source, _ = make_checkpoint(quantized(PHI3, GPTQ))
+    with pytest.raises(ShardError, match="already fused is not cut for GPTQ"):
         ShardJob.prepare(source, tmp_path / "out", tp=2)

@@ -30,7 +30,6 @@ unfused module, so the artifact's config.json names the list outright
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -92,19 +91,24 @@ class IntPacked:
 
     def with_checkpoint_modules(self, dtypes: Mapping[str, str]) -> "IntPacked":
         """GPTQ without modules_in_block_to_quantize: the modules vLLM derives from the checkpoint's integer
-        tensors."""
+        tensors, each of which must be a module with a qweight (so the list the artifact's config.json names is
+        one Ferry reads back)."""
         if self.method != GPTQ or self.listed:
             return self
-        modules = {name.rsplit(".", 1)[0] for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES}
-        return dataclasses.replace(self, modules=frozenset(modules))
+        integer = {name for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES}
+        stray = sorted(n for n in integer if n.rpartition(".")[0] + ".qweight" not in dtypes)
+        if stray:
+            raise ShardError(f"integer tensor(s) outside a quantized module (no qweight beside them): "
+                             f"{', '.join(stray[:10])}; vLLM would count their modules as quantized")
+        modules = {name.rpartition(".")[0] for name in integer}
+        return dataclasses.replace(self, modules=_names("checkpoint", "the quantized modules", sorted(modules)))
 
     def artifact_config(self, config: dict) -> dict | None:
         """config.json for the artifact when it must differ from the checkpoint's (see the module docstring)."""
         if self.method != GPTQ or self.listed:
             return None
-        out = copy.deepcopy(config)
-        out["quantization_config"]["modules_in_block_to_quantize"] = sorted(self.modules)
-        return out
+        listed = {**config["quantization_config"], "modules_in_block_to_quantize": sorted(self.modules)}
+        return {**config, "quantization_config": listed}
 
 
 def _listed_in(module: str, modules: frozenset[str]) -> bool:
@@ -129,15 +133,26 @@ def int_packed(qc: dict) -> IntPacked:
     would not load this way."""
     method = qc["quant_method"]
     where = f"config.json: quantization_config ({method})"
-    bits = qc.get("bits", qc.get("w_bit"))
-    group = qc.get("group_size", qc.get("q_group_size"))
+    awq = method == AWQ  # vLLM's from_config reads AWQ's own key names first, and requires each setting
+    bits = _first(qc, ("w_bit", "bits") if awq else ("bits",), where)
+    group = _first(qc, ("q_group_size", "group_size") if awq else ("group_size",), where)
+    for key in ("zero_point",) if awq else ("desc_act", "sym"):
+        _first(qc, (key,), where)
     if type(bits) is not int or type(group) is not int or (group <= 0 and group != -1):
         raise ShardError(f"{where}: bits and group_size must be integers (group_size -1 or positive), got "
                          f"{bits!r} and {group!r}")
     if qc.get("lm_head"):
         raise ShardError(f"{where}: lm_head is quantized; ferry shard cuts {method.upper()} checkpoints with an "
                          f"unquantized LM head")
-    return _awq(qc, where, bits, group) if method == AWQ else _gptq(qc, where, bits, group)
+    return _awq(qc, where, bits, group) if awq else _gptq(qc, where, bits, group)
+
+
+def _first(qc: dict, keys: tuple[str, ...], where: str):
+    """vLLM's get_from_keys: the first of `keys` present (it raises when none is)."""
+    for key in keys:
+        if key in qc:
+            return qc[key]
+    raise ShardError(f"{where}: {' or '.join(keys)} is missing; vLLM 0.32 refuses the config without it")
 
 
 def _awq(qc: dict, where: str, bits: int, group: int) -> IntPacked:
@@ -198,6 +213,11 @@ def with_packed(family: Family, quant: IntPacked) -> Family:
     if family.is_moe:
         raise ShardError(f"{family.name}: {quant.method.upper()} experts are not cut by ferry shard yet; serve "
                          f"this checkpoint with format.type safetensors")
+    if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
+        # vLLM maps such a model's fused modules to themselves (Phi-3's packed_modules_mapping), not to the
+        # parts the module rules above ask about.
+        raise ShardError(f"{family.name}: a checkpoint whose modules are already fused is not cut for "
+                         f"{quant.method.upper()} by ferry shard yet; serve it with format.type safetensors")
     group = quant.group
     if quant.method == AWQ:
         blocks = (("qweight", (8, 1)), ("qzeros", (8, group)), ("scales", (1, group)))

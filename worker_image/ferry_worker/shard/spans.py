@@ -93,10 +93,16 @@ def read_span(fd: int, span: Span, buffers: BlockBuffers) -> Iterator[memoryview
 def read_side_by_side(parts: list[tuple[int, Span]], block_bytes: int = BLOCK_BYTES) -> Iterator[memoryview]:
     """Yield the rows of the concatenation along dim 1 of `parts` ((fd, span) of column slices with the same
     row count), in chunks of whole rows: each part's runs of a block of rows read at once (as `read_span`
-    does) and gathered side by side. Memory: about two blocks, or two rows where a row is larger."""
+    does) and gathered side by side; rows longer than a block run by run. Memory: about two blocks."""
     count = parts[0][1].count
     width = sum(span.length for _, span in parts)
-    rows_per_block = max(1, block_bytes // max(width, *(span.stride for _, span in parts)))
+    if max(width, *(span.stride for _, span in parts)) > block_bytes:  # rows too long to batch: run by run
+        buffers = BlockBuffers(block_bytes)
+        for row in range(count):
+            for fd, span in parts:
+                yield from _read_range(fd, span.offset + row * span.stride, span.length, buffers)
+        return
+    rows_per_block = block_bytes // max(width, *(span.stride for _, span in parts))
     out = np.empty((rows_per_block, width), dtype=np.uint8)
     read = bytearray(rows_per_block * max(span.stride for _, span in parts))
     source = np.frombuffer(read, dtype=np.uint8)
