@@ -332,6 +332,30 @@ def pack_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
     return out
 
 
+def naive_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
+    """The checkpoint as a compressed-tensors W8A8 release ships it (the layout only: random 8-bit values,
+    positive scales in the model dtype; tests/worker/shard/quant_checkpoint.py quantizes for real): each linear
+    weight of the decoder layers becomes I8 (int-quantized) or F8_E4M3 (float-quantized) with weight_scale
+    [out, 1] (channel) or [1] (tensor), and input_scale [1] where activations are static."""
+    quant = config["quantization_config"]
+    group = next(iter(quant["config_groups"].values()))
+    args, inputs = group["weights"], group["input_activations"]
+    rng = np.random.default_rng(seed + 18)
+    out: Weights = {}
+    for name, (dtype, shape, raw) in weights.items():
+        if not fp8_quantized(name, shape, set(quant.get("ignore") or []), routers=False):
+            out[name] = (dtype, shape, raw)
+            continue
+        stem, rows = name.removesuffix("weight"), shape[0]
+        values = rng.integers(0, 0x7F, size=shape, dtype=np.uint8)  # positive, finite in both encodings
+        out[name] = ("I8" if args["type"] == "int" else "F8_E4M3", shape, values.tobytes())
+        scale_shape = [rows, 1] if args["strategy"] == "channel" else [1]
+        out[stem + "weight_scale"] = (dtype, scale_shape, to_dtype_bytes(rng.uniform(1e-3, 1e-2, scale_shape), dtype))
+        if not inputs.get("dynamic"):
+            out[stem + "input_scale"] = (dtype, [1], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), dtype))
+    return out
+
+
 def int_packed(weights: Weights, config: dict, seed: int = 0) -> Weights:
     """The checkpoint as an AWQ (GEMM) or GPTQ release ships it (the layout only: random int32 words,
     positive scales; tests/worker/shard/quant_checkpoint.py quantizes for real): each linear weight [out, in]
@@ -410,7 +434,10 @@ def write_checkpoint(directory: Path, case: ModelCase, seed: int = 0,
     if weights is None:
         weights = random_weights(case.config, case.dtype, seed)
         method = (case.config.get("quantization_config") or {}).get("quant_method")
-        if method == "compressed-tensors":
+        if method == "compressed-tensors" and case.config["quantization_config"].get("format") in (
+                "int-quantized", "float-quantized"):
+            weights = naive_quantized(weights, case.config, seed)
+        elif method == "compressed-tensors":
             weights = pack_quantized(weights, case.config, seed)
         elif method in ("awq", "gptq"):
             weights = int_packed(weights, case.config, seed)

@@ -51,6 +51,28 @@ def pack_quantized(weight, scheme):
     return PackedQuantizationCompressor.compress(state, scheme)
 
 
+def naive_quantized(weight, scheme):
+    """compressed-tensors' int-quantized / float-quantized (W8A8): the 8-bit weight, its channel ([out, 1]) or
+    tensor ([1]) scale in the weight's dtype, from min/max."""
+    import torch
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.weights
+    w = weight.to(torch.float32)
+    if args.strategy == "channel":
+        low, high = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    else:
+        low, high = w.amin().reshape(1), w.amax().reshape(1)
+    scale, zero = calculate_qparams(low, high, args)
+    state = {"weight": weight, "weight_scale": scale.to(weight.dtype), "weight_zero_point": zero}
+    out = NaiveQuantizationCompressor.compress(state, scheme)
+    if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+        # A static activation scale, as calibration would leave it (its value matters to no loader).
+        out["input_scale"] = (w.abs().amax() / 127).reshape(1).to(weight.dtype)
+    return out
+
+
 def awq(weight, group_size: int) -> dict:
     import torch
     from vllm.model_executor.layers.quantization.utils.quant_utils import awq_pack, quantize_weights
@@ -89,6 +111,17 @@ def quantizer(job: dict):
         return lambda w: pack_quantized(w, scheme), {
             "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {**json.loads(scheme.model_dump_json()), "format": "pack-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "version": compressed_tensors.__version__}
+    if method == "compressed-tensors-w8a8":
+        import compressed_tensors
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        fmt = "int-quantized" if job["weights"]["type"] == "int" else "float-quantized"
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**job["weights"]),
+                                    input_activations=QuantizationArgs(**job["input"]))
+        return lambda w: naive_quantized(w, scheme), {
+            "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {**json.loads(scheme.model_dump_json()), "format": fmt}},
             "ignore": ["lm_head"], "kv_cache_scheme": None, "version": compressed_tensors.__version__}
     group = job["group_size"]
     if method == "awq":

@@ -2,7 +2,7 @@
 is written, what its manifest and the artifact's config.json record, and
 `unshard` rebuilding every tensor bit for bit from rank files whose fused
 parts sit side by side along dim 1. The layout itself is proven against vLLM
-0.32 in test_shard_vllm_wna16.py; these checkpoints hold random packed words
+0.32 in test_shard_vllm_quantized.py; these checkpoints hold random packed words
 (checkpoints.int_packed). Shares nothing heavier than a generated checkpoint
 per test."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """compressed-tensors pack-quantized checkpoints without vLLM: what ferry shard
 refuses before a byte is written, what its manifest records, and `unshard`
 rebuilding every tensor bit for bit. The layout itself is proven against
-vLLM 0.32 in test_shard_vllm_wna16.py; these checkpoints hold random packed
+vLLM 0.32 in test_shard_vllm_quantized.py; these checkpoints hold random packed
 words (checkpoints.pack_quantized). Shares nothing heavier than a generated
 checkpoint per test."""
 from __future__ import annotations

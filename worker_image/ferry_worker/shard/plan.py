@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Union
 
-from . import fp8, intpack, wna16
+from . import fp8, intpack, w8a8, wna16
 from .experts import MoeTarget, check_moe, expert_ranks
 from .layouts import Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
@@ -205,7 +205,7 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
                      moe if family.is_moe else MoeTarget(), dims.experts, quant)
 
 
-Quantization = Union[fp8.BlockFp8, wna16.PackQuantized, intpack.IntPacked]
+Quantization = Union[fp8.BlockFp8, wna16.PackQuantized, intpack.IntPacked, w8a8.W8A8]
 
 
 def quantization(config: dict) -> Quantization | None:
@@ -213,7 +213,8 @@ def quantization(config: dict) -> Quantization | None:
     setting it does not cut."""
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == wna16.METHOD:
-        return wna16.pack_quantized(qc)
+        fmt = w8a8.format_of(qc)
+        return w8a8.w8a8(qc, fmt) if fmt in w8a8.FORMATS else wna16.pack_quantized(qc)
     if isinstance(qc, dict) and qc.get("quant_method") in (intpack.AWQ, intpack.GPTQ):
         return intpack.int_packed(qc)
     if isinstance(qc, dict) and qc.get("quant_method") not in (None, "fp8"):
@@ -229,6 +230,8 @@ def _with_quantized_params(family: Family, quant: Quantization) -> Family:
         return fp8.with_scales(family, quant)
     if isinstance(quant, intpack.IntPacked):
         return intpack.with_packed(family, quant)
+    if isinstance(quant, w8a8.W8A8):
+        return w8a8.with_scales(family, quant)
     return wna16.with_packed(family, quant)
 
 
@@ -278,7 +281,7 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
         for source in _model_param_sources(param, dims):
             expected[source.hf_name] = dims.shape(source.hf_shape)
     for _, _, source, name in _layer_sources(family, dims, flags, layers):
-        if source.block not in (None, wna16.WHOLE) and not name.endswith(fp8.SCALE_SUFFIX):
+        if source.block not in (None, wna16.WHOLE, w8a8.EACH) and not name.endswith(fp8.SCALE_SUFFIX):
             _check_whole_blocks(name, source, *dims.shape(fp8.weight_source(source).hf_shape))
         expected[name] = _source_shape(dims, source)
     return expected
@@ -297,7 +300,7 @@ def _layer_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
 
 def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
     shape = dims.shape(source.hf_shape)
-    if source.block in (None, wna16.WHOLE):
+    if source.block in (None, wna16.WHOLE, w8a8.EACH):
         return shape
     blocks = fp8.scale_shape(shape, source.block)
     return blocks[::-1] if source.transposed else blocks
@@ -307,11 +310,18 @@ def _check_quantized_dtypes(family: Family, dims: ModelDims, flags: Mapping[str,
                             tensors: Mapping[str, TensorSpec], layers: "_Layers", skipped: Mapping[str, str]) -> None:
     """Quantized weights FP8, their scales float32, nothing else FP8 (fp8.check_dtypes); the packed tensors
     of a pack-quantized checkpoint as vLLM allocates them (wna16)."""
-    if isinstance(layers.quant, (wna16.PackQuantized, intpack.IntPacked)):
-        roles = {name: layers.quant.role(name) for i, param, _, name in _layer_sources(family, dims, flags, layers)
-                 if param.is_scale}
-        layers.quant.check_dtypes({n: t.dtype for n, t in tensors.items()}, roles,
-                                  _model_dtype(family, dims, tensors))
+    if isinstance(layers.quant, (wna16.PackQuantized, intpack.IntPacked, w8a8.W8A8)):
+        roles, quantized = {}, set()
+        for i, param, _, name in _layer_sources(family, dims, flags, layers):
+            if param.is_scale:
+                roles[name] = layers.quant.role(name)
+            elif layers.quantized(param, i):
+                quantized.add(name)
+        dtypes, model_dtype = {n: t.dtype for n, t in tensors.items()}, _model_dtype(family, dims, tensors)
+        if isinstance(layers.quant, w8a8.W8A8):
+            layers.quant.check_dtypes(dtypes, roles, model_dtype, quantized)
+        else:
+            layers.quant.check_dtypes(dtypes, roles, model_dtype)
         return
     quantized, scales = set(), set()
     for i, param, source, name in _layer_sources(family, dims, flags, layers):
@@ -480,7 +490,7 @@ def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vl
             unset = (model_dtype, fp8.attention_scale_value(model_dtype))
             entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=unset)
                         for p in fp8.ATTENTION_SCALE_PARAMS]
-        if isinstance(layers.quant, wna16.PackQuantized):
+        if isinstance(layers.quant, (wna16.PackQuantized, w8a8.W8A8)):  # compressed-tensors' KV-cache method
             entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=value, shape=(1,))
                         for p, value in wna16.attention_params(model_dtype)]
         for buffer in vllm.attention_scale_buffers:
@@ -550,6 +560,8 @@ class _Cutter:
         cut for the rank, or for FP8 scales, their weights' cuts in blocks."""
         if sources[0].block is None:
             return [p for s in sources for p in self._cut_source(s, rank, tp)]
+        if sources[0].block == w8a8.EACH:  # each part's one value, side by side
+            return [Rows(s.hf_name, 0, self.tensors[s.hf_name].shape[0]) for s in sources]
         if sources[0].block == wna16.WHOLE:  # whole, from the part vLLM loads last
             last = max(sources, key=lambda s: (wna16.natural_key(self.tensors[s.hf_name].file), s.hf_name))
             return [Rows(last.hf_name, 0, self.tensors[last.hf_name].shape[0])]
@@ -585,6 +597,8 @@ class _Cutter:
         return Rows(scale.hf_name, start, stop) if isinstance(piece, Rows) else Columns(scale.hf_name, start, stop)
 
     def _dtype(self, name: str, sources: tuple[Source, ...]) -> str:
+        if sources[0].cast:  # widened on the way (w8a8: the checkpoint's dtypes were checked castable)
+            return sources[0].cast
         dtypes = {self.tensors[s.hf_name].dtype for s in sources}
         if len(dtypes) > 1:
             raise ShardError(f"{name} fuses {', '.join(s.hf_name for s in sources)} whose dtypes differ "

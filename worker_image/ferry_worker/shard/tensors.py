@@ -81,3 +81,40 @@ def encode_header(entries: Iterable[HeaderEntry]) -> bytes:
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return struct.pack("<Q", len(body)) + body
+
+
+# Float dtypes a tensor may be widened from to float32 on its way into a rank file (shard/w8a8.py), exactly.
+_NARROW = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}
+
+
+def widen(chunk, source: str, target: str) -> bytes:
+    """`chunk` (whole elements of `source`) as `target` (F32): bf16 is the high half of a float32."""
+    import numpy as np
+
+    if source == target:
+        return bytes(chunk)
+    if target != "F32" or source not in _NARROW:
+        raise SafetensorsError(f"cannot widen {source} to {target}")
+    if source == "BF16":
+        return (np.frombuffer(chunk, dtype="<u2").astype("<u4") << 16).tobytes()
+    return np.frombuffer(chunk, dtype=_NARROW[source]).astype("<f4").tobytes()
+
+
+def narrow(chunk, stored: str, source: str) -> bytes:
+    """The inverse of `widen`, refusing a value that `source` cannot hold exactly."""
+    import numpy as np
+
+    if stored == source:
+        return bytes(chunk)
+    if stored != "F32" or source not in _NARROW:
+        raise SafetensorsError(f"cannot narrow {stored} to {source}")
+    values = np.frombuffer(chunk, dtype="<f4")
+    if source == "BF16":
+        words = values.view("<u4")
+        if (words & 0xFFFF).any():
+            raise SafetensorsError("a widened bf16 value has low bits set: it was not widened from bf16")
+        return (words >> 16).astype("<u2").tobytes()
+    narrowed = values.astype("<f2")
+    if not np.array_equal(narrowed.astype("<f4").view("<u4"), values.view("<u4")):
+        raise SafetensorsError("a widened fp16 value is not exactly an fp16 value")
+    return narrowed.tobytes()

@@ -36,7 +36,8 @@ from .job import FORMAT
 from .experts import DEFAULT_TARGET, MoeTarget
 from .plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
 from .spans import BlockBuffers, Span, piece_span, read_span, write_span
-from .tensors import HeaderEntry, encode_header, itemsize
+from .model import ShardError
+from .tensors import HeaderEntry, encode_header, itemsize, narrow
 from .versions import parse_vllm_version
 from . import wna16
 
@@ -172,18 +173,21 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
             if isinstance(piece, (Rows, Columns)):
                 spec = specs[piece.source]
                 dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
-                # Along dim 1 a piece is a run in each of the tensor's rows; `position` is its first byte.
+                # Along dim 1 a piece is a run in each of the tensor's rows; `position` is its first byte. A
+                # widened scale (w8a8) takes `wider` times its source bytes.
+                wider = itemsize(tensor.dtype) // itemsize(spec.dtype)
                 here = (Span(position, dest.length, dest.count, row_bytes) if tensor.axis == 1
-                        else Span(position, dest.nbytes))
+                        else Span(position, dest.nbytes * wider))
                 earlier = coverage.first_copy(piece.source, piece, rank_file, here)
                 if earlier is None:
                     written = 0
                     for chunk in read_span(fd, here, buffers):
-                        write_span(out_fd, dest, chunk, written)
-                        written += len(chunk)
+                        data = chunk if wider == 1 else memoryview(_narrowed(chunk, tensor, spec, rank_file))
+                        write_span(out_fd, dest, data, written)
+                        written += len(data)
                 else:
                     _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
-                position += dest.length if tensor.axis == 1 else dest.nbytes
+                position += dest.length if tensor.axis == 1 else dest.nbytes * wider
             elif isinstance(piece, ZeroRows):
                 nbytes = piece.count * row_bytes
                 if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):
@@ -193,6 +197,13 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
                 if next(read_span(fd, Span(position, len(piece.data)), buffers)) != piece.data:
                     raise IntegrityError(f"{rank_file.name}: {tensor.name} is not vLLM's default value")
                 position += len(piece.data)
+
+
+def _narrowed(chunk: memoryview, tensor, spec: TensorSpec, rank_file: Path) -> bytes:
+    try:
+        return narrow(chunk, tensor.dtype, spec.dtype)
+    except ShardError as e:
+        raise IntegrityError(f"{rank_file.name}: {tensor.name}: {e}") from None
 
 
 def _check_replica(fd: int, here: Span, first_file: Path, first: Span, buffers: BlockBuffers,

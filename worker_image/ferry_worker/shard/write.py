@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Mapping
 from ..manifest import BlockHasher, FileEntry, atomic_file
 from .plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
 from .spans import BlockBuffers, Span, piece_span, read_side_by_side, read_span, zeros
-from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize
+from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize, widen
 
 OnBytes = Callable[[int], None]
 
@@ -98,8 +98,11 @@ def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuff
     for piece in tensor.pieces:
         if isinstance(piece, (Rows, Columns)):
             loc = sources.locations[piece.source]
-            yield from read_span(sources.fd(piece.source), piece_span(piece, loc.offset, loc.dtype, loc.shape),
-                                 buffers)
+            chunks = read_span(sources.fd(piece.source), piece_span(piece, loc.offset, loc.dtype, loc.shape), buffers)
+            if loc.dtype == tensor.dtype:
+                yield from chunks
+            else:  # a scale vLLM allocates wider (w8a8): each chunk is whole elements
+                yield from (widen(chunk, loc.dtype, tensor.dtype) for chunk in chunks)
         elif isinstance(piece, ZeroRows):
             yield from zeros(piece.count * row_bytes, buffers)
         elif isinstance(piece, Constant):

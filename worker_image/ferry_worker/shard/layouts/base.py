@@ -73,6 +73,9 @@ class Source:
     # `qweight`, `qzeros`, `scales`), so a column-parallel cut is its columns and fused parts sit side by
     # side along dim 1 (plan.py's PlannedTensor.axis).
     transposed: bool = False
+    # The dtype vLLM allocates for this tensor when the checkpoint may store it narrower (W8A8 scales: float32
+    # from bf16/fp16, which widen exactly); the cut widens it on the way.
+    cast: str | None = None
 
     @property
     def hf_shape(self) -> tuple[str, ...]:

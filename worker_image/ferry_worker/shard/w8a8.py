@@ -1,0 +1,168 @@
+"""compressed-tensors W8A8 checkpoints (llm-compressor's `int-quantized` INT8
+and `float-quantized` FP8: 8-bit weights with per-channel or per-tensor
+scales, activations quantized per token at run time or with a static
+per-tensor scale) as vLLM 0.32 loads them: compressed_tensors.py picks
+CompressedTensorsW8A8Int8 or CompressedTensorsW8A8Fp8 (schemes/), whose
+create_weights registers, for a linear module `X` with `out` rows on the rank
+(fused modules: one logical part per q/k/v or gate/up):
+
+- `X.weight`        int8 / float8_e4m3fn, the weight's usual cut;
+- `X.weight_scale`  float32 [out, 1] (channel: cut with the weight's rows,
+  whole on every rank of a row-parallel cut), or [parts] (tensor:
+  PerTensorScaleParameter, one scale per logical part);
+- `X.input_scale`   float32 [parts] (FP8 with static activations).
+
+Scales are allocated float32 whatever the checkpoint stores (llm-compressor
+writes them in the model dtype), so the cut widens them on the way (`cast`):
+bf16 and fp16 widen to float32 exactly, and `unshard` narrows them back,
+checking that nothing was lost. Attention gains the KV-cache method's six
+one-element parameters, as for every compressed-tensors scheme.
+
+Refused by name: INT8 with static activations (vLLM 0.32 keeps only the last
+of a fused module's input scales, so the cut could not be undone), asymmetric
+weights, groups and blocks (other schemes), KV-cache schemes and experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping
+
+from .fp8 import WEIGHT_DTYPE as FP8_DTYPE
+from .fp8 import skipped_module
+from .layouts import Family, Param, Source, Split
+from .model import ShardError
+from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, _ignored
+
+FORMATS = {"int-quantized": "int", "float-quantized": "float"}
+EACH = (-1, -1)  # the block of a tensor holding each logical part's one value, side by side (PerTensorScale)
+SCALE_DTYPE = "F32"
+CASTABLE = ("F32", "BF16", "F16")  # what a scale may be stored as: each widens to float32 exactly
+KNOWN_INPUT_KEYS = KNOWN_WEIGHT_KEYS
+
+
+@dataclass(frozen=True)
+class W8A8:
+    """config.json's compressed-tensors W8A8 quantization."""
+
+    kind: str  # "int" (INT8) or "float" (FP8 E4M3)
+    channel: bool  # weight scales per output channel (else one per tensor)
+    static_input: bool  # a checkpoint input scale per module (FP8 only)
+    ignored: frozenset[str] = frozenset()
+
+    @property
+    def weight_dtype(self) -> str:
+        return "I8" if self.kind == "int" else FP8_DTYPE
+
+    def skips(self, module: str) -> bool:
+        return skipped_module(module, self.ignored)
+
+    def facts(self) -> dict:
+        return {"method": "compressed-tensors", "format": next(f for f, k in FORMATS.items() if k == self.kind),
+                "bits": 8, "type": self.kind, "strategy": "channel" if self.channel else "tensor",
+                "activations": "static" if self.static_input else "dynamic", "zeroPoint": False,
+                "actOrder": False, "scaleDtype": SCALE_DTYPE}
+
+    def role(self, name: str) -> str | None:
+        return {"weight_scale": "scale", "input_scale": "scale"}.get(name.rsplit(".", 1)[-1])
+
+    def check_dtypes(self, tensors: Mapping[str, str], roles: Mapping[str, str], model_dtype: str,
+                     quantized: set[str] = frozenset()) -> None:
+        """Quantized weights 8-bit of the scheme's type, scales a float dtype that widens to float32."""
+        problems = [f"{name} is {tensors[name]}, expected {self.weight_dtype}" for name in sorted(quantized)
+                    if name in tensors and tensors[name] != self.weight_dtype]
+        problems += [f"{name} is {tensors[name]}, expected one of {', '.join(CASTABLE)}"
+                     for name in sorted(roles) if name in tensors and tensors[name] not in CASTABLE]
+        if problems:
+            shown = "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
+            raise ShardError(f"checkpoint dtypes do not match its compressed-tensors W8A8 quantization: {shown}")
+
+
+def format_of(qc: dict) -> str | None:
+    """The compressed-tensors format of a config with one config group (None for another shape: the
+    pack-quantized parser names what is wrong)."""
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1 or not isinstance(next(iter(groups.values())), dict):
+        return None
+    return next(iter(groups.values())).get("format") or qc.get("format")
+
+
+def w8a8(qc: dict, fmt: str) -> W8A8:
+    """quantization_config of a compressed-tensors int-quantized / float-quantized checkpoint, or a
+    ShardError naming what vLLM or Ferry would not cut this way."""
+    unknown = sorted(set(qc) - KNOWN_CONFIG_KEYS)
+    if unknown:
+        raise ShardError(f"config.json: quantization_config has keys ferry shard does not know "
+                         f"({', '.join(unknown[:10])})")
+    if qc.get("sparsity_config") or qc.get("transform_config") or qc.get("kv_cache_scheme") is not None:
+        raise ShardError("config.json: quantization_config sets a sparsity, transform or KV-cache scheme; ferry "
+                         "shard cuts plain W8A8 checkpoints")
+    (name, group), = qc["config_groups"].items()
+    kind = FORMATS[fmt]
+    if group.get("targets") != ["Linear"] or group.get("output_activations") is not None:
+        raise ShardError(f"config.json: config_groups.{name} must target [\"Linear\"] with no output "
+                         f"activations; ferry shard cuts a single W8A8 scheme")
+    weights = _args(f"config.json: config_groups.{name}.weights", group.get("weights"), kind)
+    if weights.get("dynamic"):
+        raise ShardError(f"config.json: config_groups.{name}.weights.dynamic is set; weights are quantized "
+                         f"statically")
+    if weights.get("strategy") not in ("channel", "tensor") or weights.get("symmetric", True) is not True:
+        raise ShardError(f"config.json: config_groups.{name}.weights: strategy {weights.get('strategy')!r}, "
+                         f"symmetric {weights.get('symmetric')!r}; vLLM's W8A8 schemes load symmetric channel or "
+                         f"tensor weights (groups and blocks are other schemes)")
+    where = f"config.json: config_groups.{name}.input_activations"
+    inputs = _args(where, group.get("input_activations"), kind)
+    if inputs.get("dynamic") is True and inputs.get("strategy") == "token":
+        static = False
+    elif inputs.get("dynamic") in (False, None) and inputs.get("strategy") == "tensor" and kind == "float" \
+            and inputs.get("symmetric", True) is True:
+        static = True
+    else:
+        raise ShardError(f"{where}: dynamic {inputs.get('dynamic')!r} with strategy {inputs.get('strategy')!r}; "
+                         f"ferry shard cuts per-token dynamic activations, and for FP8 static symmetric "
+                         f"per-tensor ones (INT8 static: vLLM 0.32 keeps one of a fused module's input scales, so "
+                         f"the cut could not be undone)")
+    return W8A8(kind, weights["strategy"] == "channel", static, _ignored(qc))
+
+
+def _args(where: str, args, kind: str) -> dict:
+    if not isinstance(args, dict):
+        raise ShardError(f"{where} must be an object")
+    unknown = sorted(set(args) - KNOWN_INPUT_KEYS)
+    if unknown:
+        raise ShardError(f"{where} has keys ferry shard does not know ({', '.join(unknown)})")
+    if args.get("type") != kind or type(args.get("num_bits")) is not int or args["num_bits"] != 8:
+        raise ShardError(f"{where}: {args.get('type')!r} with {args.get('num_bits')!r} bits; the format holds "
+                         f"8-bit {kind} values")
+    if args.get("actorder") not in (None, False) or args.get("group_size") is not None:
+        raise ShardError(f"{where}: groups or act-order belong to another scheme, which ferry shard does not cut")
+    return args
+
+
+def with_scales(family: Family, quant: W8A8) -> Family:
+    """The family's layer tables with each linear weight followed by its scales (held where the module is
+    quantized), in vLLM's registration order."""
+    if family.is_moe:
+        raise ShardError(f"{family.name}: compressed-tensors W8A8 experts are not cut by ferry shard yet; serve "
+                         f"this checkpoint with format.type safetensors")
+    if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
+        raise ShardError(f"{family.name}: a checkpoint whose modules are already fused is not cut for W8A8 by "
+                         f"ferry shard yet; serve it with format.type safetensors")
+    params: list[Param] = []
+    for param in family.layer_params:
+        params.append(param)
+        if param.linear:
+            stem = param.name.removesuffix("weight")
+            params.append(_scale(param, stem, "weight_scale", (1, 0) if quant.channel else EACH))
+            if quant.static_input:
+                params.append(_scale(param, stem, "input_scale", EACH))
+    return dataclasses.replace(family, layer_params=tuple(params))
+
+
+def _scale(param: Param, stem: str, suffix: str, block: tuple[int, int]) -> Param:
+    def source(s: Source) -> Source:
+        name = s.hf_name.removesuffix("weight") + suffix
+        if block == EACH:
+            return Source(name, ("1",), Split.REPLICATED, block=EACH, weight=s.hf_name, cast=SCALE_DTYPE)
+        return dataclasses.replace(s, hf_name=name, block=block, weight=s.hf_name, cast=SCALE_DTYPE)
+    return dataclasses.replace(param, name=stem + suffix, sources=tuple(source(s) for s in param.sources))
