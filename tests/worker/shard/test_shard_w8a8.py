@@ -104,3 +104,21 @@ def test_an_unwidenable_scale_dtype_is_refused(make_checkpoint, tmp_path):
     write_weights(source, weights, 2)
     with pytest.raises(ShardError, match=f"{name} is I32, expected one of F32, BF16, F16"):
         ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+@pytest.mark.parametrize("where,value", [
+    (("format",), [1]), (("format",), {"a": 1}), (("weights",), "channel"), (("weights", "strategy"), ["x"]),
+    (("input_activations",), None), (("input_activations", "dynamic"), "yes"), (("weights", "num_bits"), 8.0),
+])
+def test_odd_config_values_are_refused_by_name_not_crashed_on(where, value):
+    """config.json is the tenant's: every odd value ends in a ShardError (found by a sweep of odd values over
+    each key: an unhashable format once raised TypeError)."""
+    from ferry_worker.shard.plan import quantization
+
+    config = w8a8(LLAMA3).config
+    node = config["quantization_config"]["config_groups"]["group_0"]
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    with pytest.raises(ShardError, match="config.json"):
+        quantization(config)

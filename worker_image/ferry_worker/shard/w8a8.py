@@ -84,7 +84,8 @@ def format_of(qc: dict) -> str | None:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1 or not isinstance(next(iter(groups.values())), dict):
         return None
-    return next(iter(groups.values())).get("format") or qc.get("format")
+    fmt = next(iter(groups.values())).get("format") or qc.get("format")
+    return fmt if isinstance(fmt, str) else None
 
 
 def w8a8(qc: dict, fmt: str) -> W8A8:

@@ -103,7 +103,8 @@ def pack_quantized(qc: dict) -> PackQuantized:
     fmt = group.get("format") or fmt
     if fmt != FORMAT:
         raise ShardError(f"config.json: compressed-tensors format {fmt!r}; ferry shard cuts {FORMAT!r} (W4A16, "
-                         f"W8A16) and writes no layout it has not checked against vLLM")
+                         f"W8A16), \"int-quantized\" and \"float-quantized\" (W8A8), and writes no layout it has "
+                         f"not checked against vLLM")
     if group.get("targets") != ["Linear"]:
         raise ShardError(f"config.json: config_groups.{name}.targets is {group.get('targets')!r}; ferry shard "
                          f"cuts a scheme that targets [\"Linear\"]")
