@@ -332,6 +332,26 @@ def pack_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
     return out
 
 
+def fp8_tensor_scaled(weights: Weights, config: dict, seed: int = 0) -> Weights:
+    """The checkpoint as a per-tensor FP8 release (AutoFP8's layout) ships it: each linear weight of the
+    decoder layers F8_E4M3 with a 0-d float32 weight_scale, and a 0-d input_scale when activations are
+    static (random values: the layout only)."""
+    quant = config["quantization_config"]
+    not_converted = set(quant.get("ignored_layers") or quant.get("modules_to_not_convert") or [])
+    rng = np.random.default_rng(seed + 19)
+    out: Weights = {}
+    for name, (dtype, shape, raw) in weights.items():
+        if not fp8_quantized(name, shape, not_converted, routers=False):
+            out[name] = (dtype, shape, raw)
+            continue
+        stem = name.removesuffix("weight")
+        out[name] = ("F8_E4M3", shape, rng.integers(0, 0x7F, size=shape, dtype=np.uint8).tobytes())
+        for suffix in ("weight_scale", "input_scale") if quant.get("activation_scheme") == "static" else (
+                "weight_scale",):
+            out[stem + suffix] = ("F32", [], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), "F32"))
+    return out
+
+
 def naive_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
     """The checkpoint as a compressed-tensors W8A8 release ships it (the layout only: random 8-bit values,
     positive scales in the model dtype; tests/worker/shard/quant_checkpoint.py quantizes for real): each linear
@@ -441,6 +461,8 @@ def write_checkpoint(directory: Path, case: ModelCase, seed: int = 0,
             weights = pack_quantized(weights, case.config, seed)
         elif method in ("awq", "gptq"):
             weights = int_packed(weights, case.config, seed)
+        elif case.config.get("quantization_config", {}).get("weight_block_size") is None and method == "fp8":
+            weights = fp8_tensor_scaled(weights, case.config, seed)
         elif case.config.get("quantization_config"):
             weights = fp8_block_scaled(weights, case.config, seed)
         for name in case.extra_tensors:  # e.g. a rotary buffer some exporters saved

@@ -26,6 +26,10 @@ the file it was in; config.json gains the quantizer's quantization_config):
   the input, symmetric (uint4b8), qzeros the v1 constant zero - 1, scales
   [groups, out], g_idx (i // group, or all 0 per channel).
 
+- per-tensor FP8 (quant_method "fp8" without weight_block_size, AutoFP8's
+  layout): the weight in float8_e4m3fn under a 0-d float32 scale, and a 0-d
+  input scale when activations are static.
+
 Only q/k/v/o and gate/up/down of the decoder layers are quantized.
 """
 import json
@@ -70,6 +74,18 @@ def naive_quantized(weight, scheme):
     if scheme.input_activations is not None and not scheme.input_activations.dynamic:
         # A static activation scale, as calibration would leave it (its value matters to no loader).
         out["input_scale"] = (w.abs().amax() / 127).reshape(1).to(weight.dtype)
+    return out
+
+
+def fp8_tensor(weight, static: bool) -> dict:
+    """AutoFP8's per-tensor layout: the weight in float8_e4m3fn under one 0-d float32 scale (amax / 448), and
+    a 0-d input scale when activations are static."""
+    import torch
+
+    scale = weight.to(torch.float32).abs().amax().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    out = {"weight": (weight.to(torch.float32) / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(())}
+    if static:
+        out["input_scale"] = (weight.to(torch.float32).abs().amax() / 100).reshape(())
     return out
 
 
@@ -123,6 +139,10 @@ def quantizer(job: dict):
             "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": {"group_0": {**json.loads(scheme.model_dump_json()), "format": fmt}},
             "ignore": ["lm_head"], "kv_cache_scheme": None, "version": compressed_tensors.__version__}
+    if method == "fp8":  # per tensor, as AutoFP8 writes it
+        static = job.get("activation_scheme") == "static"
+        return lambda w: fp8_tensor(w, static), {"quant_method": "fp8", "activation_scheme": job["activation_scheme"],
+                                                 "ignored_layers": ["lm_head"]}
     group = job["group_size"]
     if method == "awq":
         return lambda w: awq(w, group), {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,

@@ -171,7 +171,8 @@ def _bf16(weights, name):
 
 @pytest.mark.parametrize("quantization, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method is 'bitsandbytes'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor FP8"),
+    ({"quant_method": "fp8", "activation_scheme": "per-token"}, "per-tensor FP8 with"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"}, "e4m3"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]}, "activation_scheme"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16]}, "two positive integers"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16], "fmt": "e5m2"}, "e4m3"),

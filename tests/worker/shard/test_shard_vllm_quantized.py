@@ -3,14 +3,15 @@ int4 weight-only (W4A16: compressed-tensors pack-quantized, symmetric and
 asymmetric; AWQ GEMM with zero points; GPTQ grouped, and one group per channel
 with act-order) and W8A8 (compressed-tensors int-quantized INT8 and
 float-quantized FP8, channel or tensor scales, dynamic activations or FP8's
-static input scales). Ferry's `sharded_state` rank files against what vLLM
+static input scales; per-tensor FP8 under quant_method "fp8", AutoFP8's
+0-d scales). Ferry's `sharded_state` rank files against what vLLM
 0.32 itself builds in each worker, and the tokens it serves from them.
 
 The checkpoints are written by the quantizers' own code (quant_checkpoint.py,
 in the vLLM venv: compressed-tensors' `calculate_qparams` and its
 pack-quantized and naive-quantized compressors, the serialization
 llm-compressor uses; vLLM's reference quantizer and AWQ/GPTQ packers, checked
-against AutoAWQ's) from the session's generated bf16 checkpoints: the two-file
+against AutoAWQ's; AutoFP8's per-tensor float8 cast) from the session's generated bf16 checkpoints: the two-file
 Llama of the vLLM suites (CASE: its weight_shape tensors of one fused module
 sit in different files, so the part vLLM loads last is a file-order question),
 Llama 3 (TP 2 and 4) and Qwen2 (biases, tied embeddings).
@@ -105,6 +106,9 @@ CHECKPOINTS = (
     Quantized("qwen2-int8-channel", QWEN2, w8a8("int", "channel")),
     Quantized("qwen2-fp8-channel", QWEN2, w8a8("float", "channel")),
     Quantized("llama-fp8-tensor-static", CASE, w8a8("float", "tensor", static=True), tps=(2, 4)),
+    # Per-tensor FP8 under quant_method "fp8" (AutoFP8's layout: 0-d float32 scales).
+    Quantized("llama-autofp8-static", CASE, {"method": "fp8", "activation_scheme": "static"}, tps=(2, 4)),
+    Quantized("qwen2-autofp8-dynamic", QWEN2, {"method": "fp8", "activation_scheme": "dynamic"}),
 )
 # The state_dict keys of one quantized linear module, by method: the quantized weight, its scales (and dtype),
 # the other.
@@ -158,7 +162,7 @@ def test_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, n
     tp = int(name.rsplit("tp", 1)[1])
     workers = states[name]["workers"]
     assert_workers_built_the_same_state(workers, ranks=tp)
-    if checkpoint.method == "compressed-tensors-w8a8":
+    if checkpoint.method in ("compressed-tensors-w8a8", "fp8"):
         assert_w8a8_state(workers, checkpoint, states[name])
         return
     weight, scale, other = PACKED_KEYS[checkpoint.method]
@@ -182,8 +186,11 @@ def test_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, n
 def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -> None:
     """The comparison covered the 8-bit weights and their float32 scales (widened from the checkpoint's
     bf16, in the rank files themselves: no cast left to the loader), per channel or one per fused part."""
-    kind, channel = checkpoint.job["weights"]["type"], checkpoint.job["weights"]["strategy"] == "channel"
-    static = not checkpoint.job["input"]["dynamic"]
+    if checkpoint.method == "fp8":  # quant_method "fp8" per tensor
+        kind, channel, static = "float", False, checkpoint.job["activation_scheme"] == "static"
+    else:
+        kind, channel = checkpoint.job["weights"]["type"], checkpoint.job["weights"]["strategy"] == "channel"
+        static = not checkpoint.job["input"]["dynamic"]
     for worker in workers:
         shapes = {k: v[0] for k, v in worker["default"].items()}
         dtypes = {k: v[1] for k, v in worker["default"].items()}
@@ -198,7 +205,8 @@ def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -
     header = read_safetensors(next(Path(state["artifact"]).glob("model-rank-0-part-*.safetensors")))
     assert {v[0] for k, v in header.items() if k.endswith("_scale") and "attn" not in k} == {"F32"}
     quantization = state["manifest"]["quantization"]
-    assert quantization["bits"] == 8 and quantization["type"] == kind
+    assert quantization["strategy"] == ("channel" if channel else "tensor")
+    assert quantization["method"] == ("fp8" if checkpoint.method == "fp8" else "compressed-tensors")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """compressed-tensors W8A8 checkpoints (int-quantized INT8, float-quantized
-FP8) without vLLM: what ferry shard refuses before a byte is written, scales
+FP8), and per-tensor FP8 under quant_method "fp8" (AutoFP8's 0-d scales),
+without vLLM: what ferry shard refuses before a byte is written, scales
 widened from the checkpoint's bf16 to the float32 vLLM allocates, and
 `unshard` narrowing them back bit for bit (refusing a value that was not
 widened). The layout itself is proven against vLLM 0.32 in
@@ -122,3 +123,39 @@ def test_odd_config_values_are_refused_by_name_not_crashed_on(where, value):
     node[where[-1]] = value
     with pytest.raises(ShardError, match="config.json"):
         quantization(config)
+
+
+
+def fp8_tensor(case: ModelCase, scheme: str) -> ModelCase:
+    config = copy.deepcopy(case.config)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme, "ignored_layers": ["lm_head"]}
+    return ModelCase(f"{case.name}-fp8-tensor", config, case.dtype, files=2)
+
+
+@pytest.mark.parametrize("case,tp", [(fp8_tensor(LLAMA3, "static"), 4), (fp8_tensor(QWEN2, "dynamic"), 2)],
+                         ids=["static-tp4", "dynamic"])
+def test_per_tensor_fp8_scales_sit_one_per_part_and_come_back_0d(make_checkpoint, tmp_path, case, tp):
+    """AutoFP8 stores each module's scale 0-d; vLLM's PerTensorScaleParameter holds one per logical part of
+    a fused module ([3] for qkv_proj), on every rank, with the KV-cache scales Fp8Config adds to Attention."""
+    source, _ = make_checkpoint(case)
+    ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
+    unshard(tmp_path / "cut", tmp_path / "back")
+    original = tensors(source)
+    assert tensors(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
+    rank = read_safetensors(tmp_path / "cut" / f"model-rank-{tp - 1}-part-0.safetensors")
+    layer = "model.layers.0."
+    assert rank[layer + "self_attn.qkv_proj.weight_scale"][:2] == ("F32", [3])
+    assert rank[layer + "mlp.down_proj.weight_scale"][:2] == ("F32", [1])
+    assert rank[layer + "self_attn.qkv_proj.weight_scale"][2] == b"".join(
+        original[layer + f"self_attn.{p}_proj.weight_scale"][2] for p in "qkv")
+    assert (layer + "self_attn.qkv_proj.input_scale" in rank) is (case.config["quantization_config"][
+        "activation_scheme"] == "static")
+    assert layer + "self_attn.attn.k_scale" in rank
+
+
+def test_per_tensor_fp8_experts_are_refused_until_cut(make_checkpoint, tmp_path):
+    config = copy.deepcopy(MIXTRAL.config)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    source, _ = make_checkpoint(ModelCase("mixtral-fp8-tensor", config, MIXTRAL.dtype))
+    with pytest.raises(ShardError, match="per-tensor FP8 experts are not cut"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)

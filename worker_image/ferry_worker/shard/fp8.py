@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .experts import MoeTarget
-from .layouts import Family, Param, Source
+from .layouts import EACH, Family, Param, Source, Split
 from .model import ModelDims, ShardError
 
 WEIGHT_DTYPE = "F8_E4M3"  # torch.float8_e4m3fn, what vLLM's Fp8LinearMethod allocates
@@ -71,6 +71,25 @@ class BlockFp8:
                 "moeScaleGrid": "checkpoint blocks"}
 
 
+@dataclass(frozen=True)
+class TensorFp8:
+    """config.json's `quantization_config` for per-tensor FP8 (quant_method "fp8" without weight_block_size,
+    as AutoFP8 and vLLM's own fp8 export write it): Fp8LinearMethod registers, after each F8_E4M3 weight,
+    `weight_scale` float32 [parts] (PerTensorScaleParameter: one per logical part of a fused module) and, for
+    static activations, `input_scale` float32 [parts]. The checkpoint holds one float32 scale per module, 0-d
+    or [1]."""
+
+    static_input: bool
+    ignored: frozenset[str] = frozenset()
+
+    def skips(self, module: str) -> bool:
+        return skipped_module(module, self.ignored)
+
+    def facts(self) -> dict:
+        return {"method": "fp8", "strategy": "tensor", "activations": "static" if self.static_input else "dynamic",
+                "scaleDtype": SCALE_DTYPE}
+
+
 def skipped_module(module: str, ignored: frozenset[str]) -> bool:
     """Whether `module` (its full prefix) is one the config leaves unquantized, as vLLM matches names: a fused
     module by its own name or by all of its parts (some parts only: refused, as vLLM refuses it)."""
@@ -89,9 +108,9 @@ def skipped_module(module: str, ignored: frozenset[str]) -> bool:
     return module in ignored
 
 
-def block_fp8(config: dict) -> BlockFp8 | None:
-    """The checkpoint's FP8 block quantization, None for an unquantized one,
-    or a ShardError naming the setting vLLM or Ferry would not accept."""
+def block_fp8(config: dict) -> BlockFp8 | TensorFp8 | None:
+    """The checkpoint's FP8 quantization (block-scaled, or per tensor without weight_block_size), None for
+    an unquantized one, or a ShardError naming the setting vLLM or Ferry would not accept."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
@@ -104,8 +123,7 @@ def block_fp8(config: dict) -> BlockFp8 | None:
                          f"checkpoints only, and writes no layout it has not checked against vLLM")
     block = qc.get("weight_block_size")
     if block is None:
-        raise ShardError("config.json: quantization_config has no weight_block_size: per-tensor FP8 "
-                         "(weight_scale, input_scale) is not supported by ferry shard, block-scaled FP8 is")
+        return _tensor_fp8(qc)
     if (not isinstance(block, list) or len(block) != 2
             or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in block)):
         raise ShardError(f"config.json: quantization_config.weight_block_size must be two positive integers, "
@@ -127,6 +145,53 @@ def block_fp8(config: dict) -> BlockFp8 | None:
         raise ShardError(f"config.json: quantization_config lists {len(ignored)} modules not to convert, "
                          f"more than the {MAX_IGNORED} ferry shard reads")
     return BlockFp8((block[0], block[1]), frozenset(ignored))
+
+
+def _tensor_fp8(qc: dict) -> TensorFp8:
+    scheme = qc.get("activation_scheme")
+    if scheme not in ("dynamic", "static"):
+        raise ShardError(f"config.json: quantization_config.activation_scheme is {scheme!r}; vLLM loads "
+                         f"per-tensor FP8 with \"dynamic\" or \"static\"")
+    if qc.get("fmt") not in (None, "e4m3") or qc.get("store_dtype") is not None:
+        raise ShardError("config.json: quantization_config sets fmt or store_dtype; vLLM allocates "
+                         "float8_e4m3fn weights, so only \"e4m3\" is cut")
+    ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+    if not isinstance(ignored, list) or not all(isinstance(m, str) for m in ignored) or len(ignored) > MAX_IGNORED:
+        raise ShardError(f"config.json: quantization_config.ignored_layers / modules_to_not_convert must be a "
+                         f"list of at most {MAX_IGNORED} module names")
+    return TensorFp8(scheme == "static", frozenset(ignored))
+
+
+def refuse_experts_and_fused(family: Family, scheme: str) -> None:
+    """The quantized layouts cut for dense models only: no experts, and no checkpoint that ships fused modules
+    (vLLM then asks the quantization config about the fused names themselves, Phi-3's
+    packed_modules_mapping, which the module rules here do not model)."""
+    if family.is_moe:
+        raise ShardError(f"{family.name}: {scheme} experts are not cut by ferry shard yet; serve this checkpoint "
+                         f"with format.type safetensors")
+    if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
+        raise ShardError(f"{family.name}: a checkpoint whose modules are already fused is not cut for {scheme} "
+                         f"by ferry shard yet; serve it with format.type safetensors")
+
+
+def per_part_scale(param: Param, suffix: str, cast: str | None = None) -> Param:
+    """`<module>.<suffix>`: one value per logical part of the module, side by side (the EACH block)."""
+    return dataclasses.replace(param, name=param.name.removesuffix("weight") + suffix, sources=tuple(
+        Source(s.hf_name.removesuffix("weight") + suffix, ("1",), Split.REPLICATED, block=EACH, weight=s.hf_name,
+               cast=cast) for s in param.sources))
+
+
+def with_tensor_scales(family: Family, quant: TensorFp8) -> Family:
+    """The family's layer tables with each linear weight followed by its per-tensor scales, one per
+    logical part (present in a layer only where that weight is quantized)."""
+    refuse_experts_and_fused(family, "per-tensor FP8")
+    params: list[Param] = []
+    for param in family.layer_params:
+        params.append(param)
+        if param.linear:
+            params += [per_part_scale(param, suffix)
+                       for suffix in (("weight_scale", "input_scale") if quant.static_input else ("weight_scale",))]
+    return dataclasses.replace(family, layer_params=tuple(params))
 
 
 def with_scales(family: Family, quant: BlockFp8) -> Family:

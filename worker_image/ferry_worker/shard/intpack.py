@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .fp8 import MAX_IGNORED, PACKED
+from .fp8 import MAX_IGNORED, PACKED, refuse_experts_and_fused
 from .layouts import Family, Param
 from .model import ShardError
 
@@ -210,14 +210,7 @@ def _names(where: str, key: str, names) -> frozenset[str]:
 def with_packed(family: Family, quant: IntPacked) -> Family:
     """The family's layer tables with each linear weight followed by its packed tensors, in vLLM's
     registration order (held where the module is quantized; the weight itself only where it is not)."""
-    if family.is_moe:
-        raise ShardError(f"{family.name}: {quant.method.upper()} experts are not cut by ferry shard yet; serve "
-                         f"this checkpoint with format.type safetensors")
-    if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
-        # vLLM maps such a model's fused modules to themselves (Phi-3's packed_modules_mapping), not to the
-        # parts the module rules above ask about.
-        raise ShardError(f"{family.name}: a checkpoint whose modules are already fused is not cut for "
-                         f"{quant.method.upper()} by ferry shard yet; serve it with format.type safetensors")
+    refuse_experts_and_fused(family, quant.method.upper())
     group = quant.group
     if quant.method == AWQ:
         blocks = (("qweight", (8, 1)), ("qzeros", (8, group)), ("scales", (1, group)))

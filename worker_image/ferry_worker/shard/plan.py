@@ -27,7 +27,7 @@ from typing import Iterator, Mapping, Union
 
 from . import fp8, intpack, w8a8, wna16
 from .experts import MoeTarget, check_moe, expert_ranks
-from .layouts import Family, Mlp, Param, Placement, Source, Split, family_for
+from .layouts import EACH, Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
 from .tensors import itemsize
 from .versions import ATTENTION_SCALE_VALUE, VllmTarget
@@ -205,7 +205,7 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
                      moe if family.is_moe else MoeTarget(), dims.experts, quant)
 
 
-Quantization = Union[fp8.BlockFp8, wna16.PackQuantized, intpack.IntPacked, w8a8.W8A8]
+Quantization = Union[fp8.BlockFp8, fp8.TensorFp8, wna16.PackQuantized, intpack.IntPacked, w8a8.W8A8]
 
 
 def quantization(config: dict) -> Quantization | None:
@@ -228,6 +228,8 @@ def quantization(config: dict) -> Quantization | None:
 def _with_quantized_params(family: Family, quant: Quantization) -> Family:
     if isinstance(quant, fp8.BlockFp8):
         return fp8.with_scales(family, quant)
+    if isinstance(quant, fp8.TensorFp8):
+        return fp8.with_tensor_scales(family, quant)
     if isinstance(quant, intpack.IntPacked):
         return intpack.with_packed(family, quant)
     if isinstance(quant, w8a8.W8A8):
@@ -281,7 +283,7 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
         for source in _model_param_sources(param, dims):
             expected[source.hf_name] = dims.shape(source.hf_shape)
     for _, _, source, name in _layer_sources(family, dims, flags, layers):
-        if source.block not in (None, wna16.WHOLE, w8a8.EACH) and not name.endswith(fp8.SCALE_SUFFIX):
+        if source.block not in (None, wna16.WHOLE, EACH) and not name.endswith(fp8.SCALE_SUFFIX):
             _check_whole_blocks(name, source, *dims.shape(fp8.weight_source(source).hf_shape))
         expected[name] = _source_shape(dims, source)
     return expected
@@ -300,7 +302,7 @@ def _layer_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
 
 def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
     shape = dims.shape(source.hf_shape)
-    if source.block in (None, wna16.WHOLE, w8a8.EACH):
+    if source.block in (None, wna16.WHOLE, EACH):
         return shape
     blocks = fp8.scale_shape(shape, source.block)
     return blocks[::-1] if source.transposed else blocks
@@ -430,8 +432,10 @@ def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool], t
     missing = [n for n in expected if n not in tensors]
     if missing:
         problems.append(f"missing tensor(s): {_listing(missing)}")
+    scalars = {name for _, _, source, name in _layer_sources(family, dims, flags, layers) if source.block == EACH}
     wrong = [f"{n} has shape {list(tensors[n].shape)}, expected {list(shape)}"
-             for n, shape in expected.items() if n in tensors and tensors[n].shape != shape]
+             for n, shape in expected.items() if n in tensors and tensors[n].shape != shape
+             and not (n in scalars and tensors[n].shape == ())]  # one value per part: [1] or 0-d
     if wrong:
         problems.append(f"wrong shape(s): {_listing(wrong)}")
     extra = [n for n in tensors if n not in expected and n not in skipped]
@@ -486,7 +490,7 @@ def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vl
                                       tuple(dataclasses.replace(s, hf_name=prefix + s.hf_name,
                                                                 weight=s.weight and prefix + s.weight)
                                             for s in param.sources), param.experts))
-        if isinstance(layers.quant, fp8.BlockFp8) and family.fp8_attention_scales:
+        if isinstance(layers.quant, (fp8.BlockFp8, fp8.TensorFp8)) and family.fp8_attention_scales:
             unset = (model_dtype, fp8.attention_scale_value(model_dtype))
             entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=unset)
                         for p in fp8.ATTENTION_SCALE_PARAMS]
@@ -560,8 +564,8 @@ class _Cutter:
         cut for the rank, or for FP8 scales, their weights' cuts in blocks."""
         if sources[0].block is None:
             return [p for s in sources for p in self._cut_source(s, rank, tp)]
-        if sources[0].block == w8a8.EACH:  # each part's one value, side by side
-            return [Rows(s.hf_name, 0, self.tensors[s.hf_name].shape[0]) for s in sources]
+        if sources[0].block == EACH:  # each part's one value ([1] or 0-d in the checkpoint), side by side
+            return [Rows(s.hf_name, 0, 1) for s in sources]
         if sources[0].block == wna16.WHOLE:  # whole, from the part vLLM loads last
             last = max(sources, key=lambda s: (wna16.natural_key(self.tensors[s.hf_name].file), s.hf_name))
             return [Rows(last.hf_name, 0, self.tensors[last.hf_name].shape[0])]

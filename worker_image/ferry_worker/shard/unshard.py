@@ -138,7 +138,7 @@ class _Coverage:
             if len(kinds) != 1:
                 raise IntegrityError(f"{name}: rebuilt from both row and column slices")
             kind = kinds.pop()
-            extent = specs[name].shape[1 if kind is Columns else 0]
+            extent = (specs[name].shape or (1,))[1 if kind is Columns else 0]  # a 0-d scale is one row
             end = 0
             for _, start, stop in sorted(self.regions[name]):
                 if start != end:

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .fp8 import WEIGHT_DTYPE as FP8_DTYPE
-from .fp8 import skipped_module
-from .layouts import Family, Param, Source, Split
+from .fp8 import per_part_scale, refuse_experts_and_fused, skipped_module
+from .layouts import Family, Param
 from .model import ShardError
 from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, _ignored
 
 FORMATS = {"int-quantized": "int", "float-quantized": "float"}
-EACH = (-1, -1)  # the block of a tensor holding each logical part's one value, side by side (PerTensorScale)
 SCALE_DTYPE = "F32"
 CASTABLE = ("F32", "BF16", "F16")  # what a scale may be stored as: each widens to float32 exactly
 KNOWN_INPUT_KEYS = KNOWN_WEIGHT_KEYS
@@ -142,28 +141,20 @@ def _args(where: str, args, kind: str) -> dict:
 
 def with_scales(family: Family, quant: W8A8) -> Family:
     """The family's layer tables with each linear weight followed by its scales (held where the module is
-    quantized), in vLLM's registration order."""
-    if family.is_moe:
-        raise ShardError(f"{family.name}: compressed-tensors W8A8 experts are not cut by ferry shard yet; serve "
-                         f"this checkpoint with format.type safetensors")
-    if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
-        raise ShardError(f"{family.name}: a checkpoint whose modules are already fused is not cut for W8A8 by "
-                         f"ferry shard yet; serve it with format.type safetensors")
+    quantized), in vLLM's registration order, widened to the float32 vLLM allocates."""
+    refuse_experts_and_fused(family, "compressed-tensors W8A8")
     params: list[Param] = []
     for param in family.layer_params:
         params.append(param)
         if param.linear:
-            stem = param.name.removesuffix("weight")
-            params.append(_scale(param, stem, "weight_scale", (1, 0) if quant.channel else EACH))
+            if quant.channel:  # [out, 1]: the weight's rows, whole on every rank of a row-parallel cut
+                params.append(dataclasses.replace(
+                    param, name=param.name.removesuffix("weight") + "weight_scale", sources=tuple(
+                        dataclasses.replace(s, hf_name=s.hf_name.removesuffix("weight") + "weight_scale",
+                                            block=(1, 0), weight=s.hf_name, cast=SCALE_DTYPE)
+                        for s in param.sources)))
+            else:
+                params.append(per_part_scale(param, "weight_scale", SCALE_DTYPE))
             if quant.static_input:
-                params.append(_scale(param, stem, "input_scale", EACH))
+                params.append(per_part_scale(param, "input_scale", SCALE_DTYPE))
     return dataclasses.replace(family, layer_params=tuple(params))
-
-
-def _scale(param: Param, stem: str, suffix: str, block: tuple[int, int]) -> Param:
-    def source(s: Source) -> Source:
-        name = s.hf_name.removesuffix("weight") + suffix
-        if block == EACH:
-            return Source(name, ("1",), Split.REPLICATED, block=EACH, weight=s.hf_name, cast=SCALE_DTYPE)
-        return dataclasses.replace(s, hf_name=name, block=block, weight=s.hf_name, cast=SCALE_DTYPE)
-    return dataclasses.replace(param, name=stem + suffix, sources=tuple(source(s) for s in param.sources))

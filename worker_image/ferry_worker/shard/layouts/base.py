@@ -51,6 +51,11 @@ class Mlp(Enum):
     SPARSE = "sparse"
 
 
+# The block of a tensor holding one value per logical part of a fused module, side by side (vLLM's
+# PerTensorScaleParameter: per-tensor FP8 and W8A8 scales), stored [1] or 0-d per part in the checkpoint.
+EACH = (-1, -1)
+
+
 @dataclass(frozen=True)
 class Source:
     hf_name: str  # relative to `model.layers.{i}.` for layer params; `{e}`: the expert index
