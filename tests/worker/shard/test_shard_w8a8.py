@@ -10,6 +10,7 @@ checkpoint per test."""
 from __future__ import annotations
 
 import copy
+import json
 import struct
 
 import pytest
@@ -83,10 +84,11 @@ def test_widening_is_exact_and_narrowing_refuses_what_was_not_widened(source):
 @pytest.mark.parametrize("case,words", [
     (w8a8(LLAMA3, static=True), "INT8 static: vLLM 0.32 keeps one of a fused module's input scales"),
     (w8a8(LLAMA3, symmetric=False), "vLLM's W8A8 schemes load symmetric channel or tensor weights"),
-    (w8a8(LLAMA3, strategy="group", group_size=32), "groups or act-order belong to another scheme"),
+    (w8a8(LLAMA3, strategy="group", group_size=32), "groups, blocks or act-order belong to another scheme"),
+    (w8a8(LLAMA3, block_structure=[16, 16]), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, num_bits=4), "8-bit int values"),
     (w8a8(MIXTRAL), "W8A8 experts are not cut"),
-], ids=["int8-static", "asymmetric", "group", "4-bit", "experts"])
+], ids=["int8-static", "asymmetric", "group", "block-structure", "4-bit", "experts"])
 def test_what_vllm_would_not_load_or_ferry_could_not_undo_is_refused(make_checkpoint, tmp_path, case, words):
     source, _ = make_checkpoint(case)
     with pytest.raises(ShardError) as refused:
@@ -158,4 +160,19 @@ def test_per_tensor_fp8_experts_are_refused_until_cut(make_checkpoint, tmp_path)
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     source, _ = make_checkpoint(ModelCase("mixtral-fp8-tensor", config, MIXTRAL.dtype))
     with pytest.raises(ShardError, match="per-tensor FP8 experts are not cut"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+def test_an_8_bit_weight_the_config_leaves_unquantized_is_refused(make_checkpoint, tmp_path):
+    """vLLM allocates an ignored module's weight in the model dtype and would cast the 8-bit codes into it."""
+    case = w8a8(LLAMA3)
+    source, weights = make_checkpoint(case)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.mlp.down_proj"]
+    (source / "config.json").write_text(json.dumps(config))
+    del weights["model.layers.0.mlp.down_proj.weight_scale"]
+    for path in source.glob("*.safetensors"):
+        path.unlink()
+    write_weights(source, weights, 2)
+    with pytest.raises(ShardError, match="down_proj.weight is I8, but config.json does not quantize it"):
         ShardJob.prepare(source, tmp_path / "out", tp=2)

@@ -535,6 +535,7 @@ class _Cutter:
             return self._cut_experts(entry, rank)
         pieces = self._concatenation(entry.name, entry.sources, rank, self.tp)
         dtype = self._dtype(entry.name, entry.sources)
+        assert not (entry.sources[0].transposed and entry.sources[0].cast), entry.name  # the writer widens dim 0 only
         if entry.sources[0].transposed and isinstance(pieces[0], Columns):  # [in, out]: parts side by side
             rows = {self._piece_rows(p) for p in pieces}
             assert len(rows) == 1 and all(isinstance(p, Columns) for p in pieces), entry.name

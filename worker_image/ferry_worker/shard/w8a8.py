@@ -70,6 +70,9 @@ class W8A8:
         """Quantized weights 8-bit of the scheme's type, scales a float dtype that widens to float32."""
         problems = [f"{name} is {tensors[name]}, expected {self.weight_dtype}" for name in sorted(quantized)
                     if name in tensors and tensors[name] != self.weight_dtype]
+        # An 8-bit tensor the config leaves unquantized: vLLM would allocate the model dtype and cast the codes.
+        problems += [f"{name} is {dtype}, but config.json does not quantize it (ignore)" for name, dtype
+                     in sorted(tensors.items()) if dtype in ("I8", FP8_DTYPE) and name not in quantized]
         problems += [f"{name} is {tensors[name]}, expected one of {', '.join(CASTABLE)}"
                      for name in sorted(roles) if name in tensors and tensors[name] not in CASTABLE]
         if problems:
@@ -83,7 +86,8 @@ def format_of(qc: dict) -> str | None:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1 or not isinstance(next(iter(groups.values())), dict):
         return None
-    fmt = next(iter(groups.values())).get("format") or qc.get("format")
+    fmt = next(iter(groups.values())).get("format")
+    fmt = qc.get("format") if fmt is None else fmt  # vLLM falls back to the global format only when unset
     return fmt if isinstance(fmt, str) else None
 
 
@@ -134,8 +138,12 @@ def _args(where: str, args, kind: str) -> dict:
     if args.get("type") != kind or type(args.get("num_bits")) is not int or args["num_bits"] != 8:
         raise ShardError(f"{where}: {args.get('type')!r} with {args.get('num_bits')!r} bits; the format holds "
                          f"8-bit {kind} values")
-    if args.get("actorder") not in (None, False) or args.get("group_size") is not None:
-        raise ShardError(f"{where}: groups or act-order belong to another scheme, which ferry shard does not cut")
+    if args.get("actorder") not in (None, False) or args.get("group_size") is not None \
+            or args.get("block_structure") is not None:
+        raise ShardError(f"{where}: groups, blocks or act-order belong to another scheme, which ferry shard does "
+                         f"not cut")
+    if not isinstance(args.get("symmetric", True), bool) or not isinstance(args.get("dynamic", False), (bool, str)):
+        raise ShardError(f"{where}: symmetric must be true or false, and dynamic a boolean")
     return args
 
 
