@@ -488,3 +488,11 @@ def read_safetensors(path: Path) -> Weights:
         begin, end = entry["data_offsets"]
         tensors[name] = (entry["dtype"], entry["shape"], data[start + begin:start + end])
     return tensors
+
+
+def read_checkpoint(directory: Path) -> Weights:
+    """Every tensor of every safetensors file in `directory`."""
+    out: Weights = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(read_safetensors(path))
+    return out

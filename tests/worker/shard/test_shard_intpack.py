@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from checkpoints import LLAMA3, MIXTRAL, PHI3, QWEN2, ModelCase, read_safetensors, write_weights
+from checkpoints import LLAMA3, MIXTRAL, PHI3, QWEN2, ModelCase, read_checkpoint, write_weights
 from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
@@ -30,13 +30,6 @@ def quantized(case: ModelCase, base: dict, **settings) -> ModelCase:
     return ModelCase(f"{case.name}-{base['quant_method']}", config, case.dtype, files=2)
 
 
-def tensors(directory) -> dict:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(read_safetensors(path))
-    return out
-
-
 @pytest.mark.parametrize("case,tp", [
     (quantized(LLAMA3, AWQ), 4), (quantized(QWEN2, AWQ), 2), (quantized(LLAMA3, GPTQ), 4),
     (quantized(QWEN2, GPTQ, group_size=-1, desc_act=True), 2), (quantized(LLAMA3, GPTQ, bits=8, group_size=64), 2),
@@ -47,7 +40,7 @@ def test_every_tensor_comes_back_bit_for_bit(make_checkpoint, tmp_path, case, tp
     source, _ = make_checkpoint(case)
     ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
     unshard(tmp_path / "cut", tmp_path / "back")
-    original, back = tensors(source), tensors(tmp_path / "back")
+    original, back = read_checkpoint(source), read_checkpoint(tmp_path / "back")
     assert back == {k: v for k, v in original.items() if "rotary" not in k and not k.endswith(".g_idx")}
     manifest = read_manifest(tmp_path / "cut").extra
     qc = case.config["quantization_config"]

@@ -15,7 +15,7 @@ import struct
 
 import pytest
 
-from checkpoints import LLAMA3, MIXTRAL, QWEN2, ModelCase, read_safetensors, write_weights
+from checkpoints import LLAMA3, MIXTRAL, QWEN2, ModelCase, read_checkpoint, read_safetensors, write_weights
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
 from ferry_worker.shard.tensors import narrow, widen
@@ -38,13 +38,6 @@ def w8a8(case: ModelCase, kind: str = "int", strategy: str = "channel", static: 
     return ModelCase(f"{case.name}-{kind}8", config, case.dtype, files=2)
 
 
-def tensors(directory) -> dict:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(read_safetensors(path))
-    return out
-
-
 @pytest.mark.parametrize("case,tp", [
     (w8a8(LLAMA3), 4), (w8a8(QWEN2, strategy="tensor"), 2), (w8a8(LLAMA3, "float", "tensor", static=True), 4),
     (w8a8(QWEN2, "float"), 2),
@@ -53,8 +46,8 @@ def test_every_tensor_comes_back_bit_for_bit_and_scales_are_float32(make_checkpo
     source, _ = make_checkpoint(case)
     ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
     unshard(tmp_path / "cut", tmp_path / "back")
-    original = tensors(source)
-    assert tensors(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
+    original = read_checkpoint(source)
+    assert read_checkpoint(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
     rank = read_safetensors(tmp_path / "cut" / "model-rank-0-part-0.safetensors")
     layer = "model.layers.0.self_attn."
     assert rank[layer + "qkv_proj.weight_scale"][0] == "F32"
@@ -142,8 +135,8 @@ def test_per_tensor_fp8_scales_sit_one_per_part_and_come_back_0d(make_checkpoint
     source, _ = make_checkpoint(case)
     ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
     unshard(tmp_path / "cut", tmp_path / "back")
-    original = tensors(source)
-    assert tensors(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
+    original = read_checkpoint(source)
+    assert read_checkpoint(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
     rank = read_safetensors(tmp_path / "cut" / f"model-rank-{tp - 1}-part-0.safetensors")
     layer = "model.layers.0."
     assert rank[layer + "self_attn.qkv_proj.weight_scale"][:2] == ("F32", [3])

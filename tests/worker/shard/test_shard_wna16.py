@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from checkpoints import LLAMA3, MIXTRAL, ModelCase, read_safetensors
+from checkpoints import LLAMA3, MIXTRAL, ModelCase, read_checkpoint, read_safetensors
 from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
@@ -32,13 +32,6 @@ def packed(case: ModelCase, files: int = 1, ignore=("lm_head",), group: dict | N
     return ModelCase(f"{case.name}-packed", config, case.dtype, files=files)
 
 
-def tensors(directory) -> dict:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(read_safetensors(path))
-    return out
-
-
 @pytest.mark.parametrize("case", [
     packed(LLAMA3, files=2), packed(LLAMA3, symmetric=False), packed(LLAMA3, strategy="channel", group_size=None),
     packed(LLAMA3, num_bits=8, group_size=16),
@@ -49,7 +42,7 @@ def test_every_tensor_comes_back_bit_for_bit(make_checkpoint, tmp_path, case):
     source, _ = make_checkpoint(case)
     ShardJob.prepare(source, tmp_path / "tp2", tp=2).run()
     unshard(tmp_path / "tp2", tmp_path / "back")
-    original, back = tensors(source), tensors(tmp_path / "back")
+    original, back = read_checkpoint(source), read_checkpoint(tmp_path / "back")
     assert {k: v for k, v in back.items()} == {k: v for k, v in original.items() if "rotary" not in k}
     facts = read_manifest(tmp_path / "tp2").extra["quantization"]
     args = case.config["quantization_config"]["config_groups"]["group_0"]["weights"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .experts import MoeTarget
 from .layouts import EACH, Family, Param, Source, Split
@@ -181,30 +181,34 @@ def per_part_scale(param: Param, suffix: str, cast: str | None = None) -> Param:
                cast=cast) for s in param.sources))
 
 
-def with_tensor_scales(family: Family, quant: TensorFp8) -> Family:
-    """The family's layer tables with each linear weight followed by its per-tensor scales, one per
-    logical part (present in a layer only where that weight is quantized)."""
-    refuse_experts_and_fused(family, "per-tensor FP8")
+def follow_linears(family: Family, followers: Callable[[Param], list[Param]], *, replaced: bool = False) -> Family:
+    """The family's layer tables with each linear weight followed by `followers(weight)` (a quantization's
+    scales or packed tensors, present in a layer only where that weight is quantized); with `replaced`, the
+    weight itself stays only where the module is not quantized (packed layouts)."""
     params: list[Param] = []
     for param in family.layer_params:
-        params.append(param)
-        if param.linear:
-            params += [per_part_scale(param, suffix)
-                       for suffix in (("weight_scale", "input_scale") if quant.static_input else ("weight_scale",))]
+        if not param.linear:
+            params.append(param)
+            continue
+        params.append(dataclasses.replace(param, replaced_when_quantized=True) if replaced else param)
+        params += followers(param)
     return dataclasses.replace(family, layer_params=tuple(params))
+
+
+def with_tensor_scales(family: Family, quant: TensorFp8) -> Family:
+    """Each linear weight followed by its per-tensor scales, one per logical part."""
+    refuse_experts_and_fused(family, "per-tensor FP8")
+    suffixes = ("weight_scale", "input_scale") if quant.static_input else ("weight_scale",)
+    return follow_linears(family, lambda param: [per_part_scale(param, suffix) for suffix in suffixes])
 
 
 def with_scales(family: Family, quant: BlockFp8) -> Family:
-    """The family's layer tables with each linear weight followed by its
-    block scales (present in a layer only where that weight is quantized)."""
-    params: list[Param] = []
-    for param in family.layer_params:
-        params.append(param)
-        if param.linear:
-            sources = tuple(dataclasses.replace(s, hf_name=s.hf_name + SCALE_SUFFIX, block=quant.block,
-                                                weight=s.hf_name) for s in param.sources)
-            params.append(dataclasses.replace(param, name=param.name + SCALE_SUFFIX, sources=sources))
-    return dataclasses.replace(family, layer_params=tuple(params))
+    """Each linear weight followed by its block scales."""
+    def scales(param: Param) -> list[Param]:
+        sources = tuple(dataclasses.replace(s, hf_name=s.hf_name + SCALE_SUFFIX, block=quant.block,
+                                            weight=s.hf_name) for s in param.sources)
+        return [dataclasses.replace(param, name=param.name + SCALE_SUFFIX, sources=sources)]
+    return follow_linears(family, scales)
 
 
 def module_of(family: Family, full_name: str, param: Param) -> str:

@@ -34,8 +34,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .fp8 import MAX_IGNORED, PACKED, refuse_experts_and_fused
-from .layouts import Family, Param
+from .fp8 import MAX_IGNORED, PACKED, follow_linears, refuse_experts_and_fused
+from .layouts import Family
 from .model import ShardError
 
 AWQ, GPTQ = "awq", "gptq"
@@ -216,15 +216,8 @@ def with_packed(family: Family, quant: IntPacked) -> Family:
         blocks = (("qweight", (8, 1)), ("qzeros", (8, group)), ("scales", (1, group)))
     else:
         blocks = (("qweight", (1, quant.pack)), ("scales", (1, group)), ("qzeros", (quant.pack, group)))
-    params: list[Param] = []
-    for param in family.layer_params:
-        if not param.linear:
-            params.append(param)
-            continue
-        params.append(dataclasses.replace(param, replaced_when_quantized=True))
-        stem = param.name.removesuffix("weight")
-        params += [dataclasses.replace(param, name=stem + suffix, replaced_when_quantized=False, sources=tuple(
+    return follow_linears(family, lambda param: [dataclasses.replace(
+        param, name=param.name.removesuffix("weight") + suffix, sources=tuple(
             dataclasses.replace(s, hf_name=s.hf_name.removesuffix("weight") + suffix, block=block,
                                 weight=s.hf_name, transposed=True) for s in param.sources))
-            for suffix, block in blocks]
-    return dataclasses.replace(family, layer_params=tuple(params))
+        for suffix, block in blocks], replaced=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .fp8 import WEIGHT_DTYPE as FP8_DTYPE
-from .fp8 import per_part_scale, refuse_experts_and_fused, skipped_module
+from .fp8 import follow_linears, per_part_scale, refuse_experts_and_fused, skipped_module
 from .layouts import Family, Param
 from .model import ShardError
 from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, _ignored
@@ -148,21 +148,16 @@ def _args(where: str, args, kind: str) -> dict:
 
 
 def with_scales(family: Family, quant: W8A8) -> Family:
-    """The family's layer tables with each linear weight followed by its scales (held where the module is
-    quantized), in vLLM's registration order, widened to the float32 vLLM allocates."""
+    """Each linear weight followed by its scales, in vLLM's registration order, widened to the float32 vLLM
+    allocates."""
     refuse_experts_and_fused(family, "compressed-tensors W8A8")
-    params: list[Param] = []
-    for param in family.layer_params:
-        params.append(param)
-        if param.linear:
-            if quant.channel:  # [out, 1]: the weight's rows, whole on every rank of a row-parallel cut
-                params.append(dataclasses.replace(
-                    param, name=param.name.removesuffix("weight") + "weight_scale", sources=tuple(
-                        dataclasses.replace(s, hf_name=s.hf_name.removesuffix("weight") + "weight_scale",
-                                            block=(1, 0), weight=s.hf_name, cast=SCALE_DTYPE)
-                        for s in param.sources)))
-            else:
-                params.append(per_part_scale(param, "weight_scale", SCALE_DTYPE))
-            if quant.static_input:
-                params.append(per_part_scale(param, "input_scale", SCALE_DTYPE))
-    return dataclasses.replace(family, layer_params=tuple(params))
+
+    def scales(param: Param) -> list[Param]:
+        if quant.channel:  # [out, 1]: the weight's rows, whole on every rank of a row-parallel cut
+            out = [dataclasses.replace(param, name=param.name.removesuffix("weight") + "weight_scale", sources=tuple(
+                dataclasses.replace(s, hf_name=s.hf_name.removesuffix("weight") + "weight_scale", block=(1, 0),
+                                    weight=s.hf_name, cast=SCALE_DTYPE) for s in param.sources))]
+        else:
+            out = [per_part_scale(param, "weight_scale", SCALE_DTYPE)]
+        return out + ([per_part_scale(param, "input_scale", SCALE_DTYPE)] if quant.static_input else [])
+    return follow_linears(family, scales)

@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 from typing import Mapping
 
-from .fp8 import MAX_IGNORED, skipped_module
+from .fp8 import MAX_IGNORED, follow_linears, skipped_module
 from .layouts import Family, Param, Source, Split
 from .model import ShardError
 from .tensors import itemsize
@@ -162,14 +162,7 @@ def with_packed(family: Family, quant: PackQuantized) -> Family:
     if family.is_moe:
         raise ShardError(f"{family.name}: compressed-tensors experts are not cut by ferry shard yet; serve this "
                          f"checkpoint with format.type safetensors")
-    params: list[Param] = []
-    for param in family.layer_params:
-        if not param.linear:
-            params.append(param)
-            continue
-        params.append(dataclasses.replace(param, replaced_when_quantized=True))
-        params += _packed_params(param, quant)
-    return dataclasses.replace(family, layer_params=tuple(params))
+    return follow_linears(family, lambda param: _packed_params(param, quant), replaced=True)
 
 
 def _packed_params(param: Param, quant: PackQuantized) -> list[Param]:
