@@ -9,7 +9,7 @@ from typing import Any
 
 from ferry_operator.api.types import Artifact, ModelWeightsSpec
 from ferry_operator.api.validation import parse
-from ferry_operator.serving import WorkloadFacts, template_patch
+from ferry_operator.serving.wiring import WorkloadFacts, template_patch
 from spec_cases import manifest
 
 HUB_ID = "meta-llama/Meta-Llama-3-70B-Instruct"

@@ -8,7 +8,7 @@ import pytest
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import (ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan,
                                     recorded_artifact)
-from ferry_operator.serving import ParallelismUnsupported, template_patch, ferry_flags
+from ferry_operator.serving.wiring import ParallelismUnsupported, template_patch, ferry_flags
 from ferry_operator.steps import prepare_steps, spec_digest
 from serving_cases import CONTAINER, HUB_ID, PARALLELISM_FLAGS, SPECS, apply, command_line, facts, spec_of, wire
 from spec_cases import VALID, manifest, with_

@@ -19,10 +19,10 @@ from ferry_operator.executors.jobs import WorkerSettings
 from ferry_operator.node_cache import FillFacts, FillNode, RemoveFill
 from ferry_operator.placement import NodeFacts, placement_of
 from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
-from ferry_operator.serving import CACHE_AGENT_LABEL, WorkloadFacts, cache_evicted_label, cache_label
-from ferry_operator.serving_loader import LoaderSettings
+from ferry_operator.serving.wiring import CACHE_AGENT_LABEL, WorkloadFacts, cache_evicted_label, cache_label
+from ferry_operator.serving.loader import LoaderSettings
 from ferry_operator.steps import prepare_steps
-from ferry_operator.weights_loaded import PodFacts
+from ferry_operator.serving.weights_loaded import PodFacts
 from serving_cases import apply, merged_weights_volume
 from spec_cases import manifest, with_
 

@@ -7,7 +7,7 @@ from ferry_operator.api.validation import parse
 from ferry_operator.planner import (
     ArtifactFacts, Observed, PatchWorkload, StartStep, StepPhase, StepState, blocked, human_bytes, plan,
 )
-from ferry_operator.serving import DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, WorkloadFacts
+from ferry_operator.serving.wiring import DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, WorkloadFacts
 from ferry_operator.steps import prepare_steps, spec_digest
 from spec_cases import manifest, with_
 

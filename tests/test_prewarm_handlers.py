@@ -13,7 +13,7 @@ from ferry_operator import handlers
 from ferry_operator.node_cache import FillFacts
 from ferry_operator.placement import NodeFacts
 from ferry_operator.planner import ArtifactFacts, StepPhase, StepState
-from ferry_operator.serving import WorkloadFacts
+from ferry_operator.serving.wiring import WorkloadFacts
 from spec_cases import with_
 
 NAME = "llama-70b-vllm"

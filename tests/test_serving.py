@@ -7,7 +7,7 @@ import pytest
 
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, StepPhase, StepState, plan
-from ferry_operator.serving import (
+from ferry_operator.serving.wiring import (
     DIGEST_ANNOTATION, SERVED_NAME_ANNOTATION, ServingError, template_patch, served_model_name,
 )
 from ferry_operator.steps import prepare_steps
@@ -185,7 +185,7 @@ def test_only_the_named_container_is_read_and_patched():
 
 
 def test_deployment_facts_from_the_api_json():
-    from ferry_operator.serving import deployment_facts
+    from ferry_operator.serving.wiring import deployment_facts
 
     body = {"metadata": {"name": "vllm", "generation": 3},
             "spec": {"replicas": 2, "template": {"metadata": {"annotations": {"a": "b"}}, "spec": {"containers": [

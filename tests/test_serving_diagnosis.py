@@ -11,10 +11,10 @@ import pytest
 
 from ferry_operator.events import transitions
 from ferry_operator.planner import ArtifactFacts, Observed, StepPhase, StepState, plan
-from ferry_operator.serving import deployment_facts
-from ferry_operator.serving_diagnosis import pod_trouble, workload_of
+from ferry_operator.serving.wiring import deployment_facts
+from ferry_operator.serving.diagnosis import pod_trouble, workload_of
 from ferry_operator.steps import prepare_steps
-from ferry_operator.weights_loaded import pod_facts
+from ferry_operator.serving.weights_loaded import pod_facts
 
 from test_serving_loader import DIGEST, FACTS, LOADER, NAME, applied, conds, deployment, mw, observed
 

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
-from ferry_operator.serving import WorkloadFacts, deployment_facts
-from ferry_operator.serving_loader import GATE, LOADER_CONTAINER, TOKEN_VOLUME, LoaderSettings, health_probe
+from ferry_operator.serving.wiring import WorkloadFacts, deployment_facts
+from ferry_operator.serving.loader import GATE, LOADER_CONTAINER, TOKEN_VOLUME, LoaderSettings, health_probe
 from ferry_operator.steps import prepare_steps
-from ferry_operator.weights_loaded import PodFacts, pod_facts, summarize
+from ferry_operator.serving.weights_loaded import PodFacts, pod_facts, summarize
 from spec_cases import manifest
 from serving_cases import merged_weights_volume
 

@@ -13,9 +13,9 @@ import pytest
 
 from ferry_operator.api.types import Artifact
 from ferry_operator.api.validation import parse
-from ferry_operator import strategic
-from ferry_operator.serving import Group, deployment_facts, template_facts, template_patch
-from ferry_operator.serving_loader import LoaderSettings
+from ferry_operator.serving import strategic
+from ferry_operator.serving.wiring import Group, deployment_facts, template_facts, template_patch
+from ferry_operator.serving.loader import LoaderSettings
 from spec_cases import manifest, with_
 
 pytestmark = pytest.mark.cluster
@@ -117,3 +117,39 @@ def test_the_local_strategic_merge_equals_the_api_servers(kube, namespace):
         server = kube.get_json("deployment", "vllm", "-n", namespace)["spec"]["template"]
         local = strategic.apply(before, patch["spec"]["template"])
         assert defaulted(local) == _normalized(server), (cache, grouped)
+
+
+@pytest.mark.parametrize("own", [
+    {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "50%", "maxUnavailable": 0}},
+    {"type": "Recreate"},
+])
+def test_a_rollout_in_place_and_the_strategy_put_back_merge_as_planned(kube, namespace, own):
+    """serving.rollout InPlace: the template and the strategy in one patch, then the Deployment's own strategy
+    back (a Recreate too, whose rollingUpdate must go). The facts are read back as the operator reads them."""
+    from ferry_operator.serving.rollout import IN_PLACE, put_back, rollout_patch, with_strategy
+    name = "roll-" + own["type"].lower()
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": 0, "strategy": own, "selector": {"matchLabels": {"app": name}}, "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                             "args": ["--model", "m"]}]}}}})
+    current = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+    patch = template_patch(spec(False), "llama", ARTIFACT, "vllm", current, LoaderSettings(image="ferry.local/f:1"))
+    surging = own["type"] == "RollingUpdate"
+    roll = rollout_patch("InPlace", "Deployment", name, current.strategy, current.saved_strategy, True, False)
+    assert (roll is not None) == surging
+    if not surging:  # Ferry leaves a Recreate alone; a saved one (written by hand) is put back all the same
+        kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p",
+                     json.dumps({"spec": {"strategy": IN_PLACE},
+                                 "metadata": {"annotations": {"ferry.dev/rollout-strategy": json.dumps(own)}}}))
+    kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p",
+                 json.dumps(with_strategy(patch, roll)))
+    rolled = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+    assert rolled.strategy == IN_PLACE and json.loads(rolled.saved_strategy)["type"] == own["type"]
+    assert rolled.template_annotations["ferry.dev/artifact-digest"] == DIGEST
+    back = put_back(name, rolled.strategy, rolled.saved_strategy)
+    kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p",
+                 json.dumps(with_strategy(None, back)))
+    after = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+    expected = own if not surging else {"type": "RollingUpdate", "rollingUpdate": own["rollingUpdate"]}
+    assert after.strategy == expected and after.saved_strategy is None

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from ferry_operator import strategic
+from ferry_operator.serving import strategic
 from ferry_operator.api.types import Artifact, ServingTarget
 from ferry_operator.api.validation import InvalidSpec, parse
 from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
-from ferry_operator.serving import GROUP_INDEX_ENV, ServingError, template_facts, template_patch
-from ferry_operator.serving_loader import LoaderSettings
+from ferry_operator.serving.wiring import GROUP_INDEX_ENV, ServingError, template_facts, template_patch
+from ferry_operator.serving.loader import LoaderSettings
 from ferry_operator.steps import prepare_steps
-from ferry_operator.workloads import GroupSizeMismatch, groups_of, leaderworkerset_facts, statefulset_facts
+from ferry_operator.serving.workloads import GroupSizeMismatch, groups_of, leaderworkerset_facts, statefulset_facts
 
 from spec_cases import manifest
 
@@ -240,7 +240,7 @@ def test_the_local_strategic_merge_merges_by_key_deletes_by_directive_and_replac
 
 
 def test_weights_loaded_counts_pods_and_whole_groups():
-    from ferry_operator.weights_loaded import pod_facts, summarize
+    from ferry_operator.serving.weights_loaded import pod_facts, summarize
 
     def pod(name: str, group: int, worker: int, gate: str) -> dict:
         return {"metadata": {"name": name, "labels": {"leaderworkerset.sigs.k8s.io/name": "llama",
@@ -299,7 +299,7 @@ def test_pods_that_serve_no_http_get_no_health_probe():
 def test_a_leaderworkerset_is_rolled_out_only_once_its_pods_serve_the_artifact():
     """LWS keeps no observedGeneration: its status right after Ferry's patch still says the old groups are
     ready. Ready waits for every pod of the current artifact to be Ready."""
-    from ferry_operator.weights_loaded import PodFacts
+    from ferry_operator.serving.weights_loaded import PodFacts
 
     obj = manifest(format=PP2, serving={"readinessGate": False, "targets": [
         {"kind": "LeaderWorkerSet", "name": "llama", "groupSize": 2}]})

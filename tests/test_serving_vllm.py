@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from ferry_operator.api.validation import parse
-from ferry_operator.serving import GROUP_INDEX_ENV, template_patch
-from ferry_operator.workloads import groups_of, leaderworkerset_facts
+from ferry_operator.serving.wiring import GROUP_INDEX_ENV, template_patch
+from ferry_operator.serving.workloads import groups_of, leaderworkerset_facts
 from serving_cases import (CONTAINER, HUB_ID, MOUNT, PARALLELISM_FLAGS, SHAPES, SPECS, Shape, command_line, facts,
                            shape_facts, wire)
 from spec_cases import manifest

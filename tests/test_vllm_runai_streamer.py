@@ -99,10 +99,10 @@ import pytest
 from ferry_operator.api.types import Artifact, ModelWeights
 from ferry_operator.executors.cache_fill import SLOT_MOUNT, fill_job_manifest
 from ferry_operator.executors.jobs import WorkerSettings
-from ferry_operator.serving import MOUNT_PATH
+from ferry_operator.serving.wiring import MOUNT_PATH
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, PatchWorkload, StepPhase, StepState, plan
-from ferry_operator.serving_loader import LOADER_CONTAINER, TOKEN_DIR, TOKEN_VOLUME, LoaderSettings
+from ferry_operator.serving.loader import LOADER_CONTAINER, TOKEN_DIR, TOKEN_VOLUME, LoaderSettings
 from ferry_operator.locations import s3_artifact_uri
 from ferry_operator.steps import prepare_steps
 

@@ -64,7 +64,7 @@ import pytest
 
 from ferry_operator.api.types import Artifact
 from ferry_operator.api.validation import parse
-from ferry_operator.serving import MOUNT_PATH, VOLUME_NAME, template_patch
+from ferry_operator.serving.wiring import MOUNT_PATH, VOLUME_NAME, template_patch
 
 from checkpoints import write_checkpoint
 from serving_cases import CONTAINER, apply, command_line, facts

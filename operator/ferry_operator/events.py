@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .api.types import ConditionType, ModelWeightsStatus
 from .conditions import get_condition
 from .planner import PatchWorkload, RemoveArtifact, RetryStep, StartStep
-from .serving_diagnosis import WAITING_REASONS
+from .serving.diagnosis import WAITING_REASONS
 
 NORMAL, WARNING = "Normal", "Warning"
 
@@ -101,7 +101,10 @@ def transitions(before: ModelWeightsStatus | None, after: ModelWeightsStatus,
             events.append(Event(NORMAL, "ArtifactRemoved",
                                 f"superseded artifact {action.artifact.uri} removed (deletionPolicy)"))
         elif isinstance(action, PatchWorkload):
-            events.append(Event(NORMAL, "DeploymentPatched", f"deployment {action.name} wired to the artifact"))
+            if action.patch is not None:
+                events.append(Event(NORMAL, "DeploymentPatched", f"deployment {action.name} wired to the artifact"))
+            if action.rollout is not None:
+                events.append(Event(NORMAL, action.rollout.change.value, action.rollout.message))
     if _turned(before, after, ConditionType.PREPARED, "True"):
         prepared = get_condition(after.conditions, ConditionType.PREPARED)
         events.append(Event(NORMAL, "ArtifactReady", prepared.message if prepared else "artifact ready"))

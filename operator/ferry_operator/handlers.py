@@ -27,25 +27,27 @@ from typing import Any, Protocol
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import metrics, workload_api
+from . import metrics
+from .serving import workload_api
 from .admission_policies import PolicyGuard, policy_names
 from .api.types import (GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus, WorkloadKind,
                         target_key)
 from .api.validation import InvalidSpec, parse
-from .events import WARNING, Event, transitions
+from .events import NORMAL, WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
 from .node_cache import FillNode, RemoveFill
 from .placement import NodeFacts, node_facts, selected
 from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       StepPhase, StepState, blocked, plan, recorded_artifact)
-from .serving import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts, cache_evicted_label,
-                      cache_label, deployment_facts)
-from .serving_loader import REPORTER_CLUSTER_ROLE, LoaderSettings
+from .serving.wiring import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts,
+                             cache_evicted_label, cache_label, deployment_facts)
+from .serving.loader import REPORTER_CLUSTER_ROLE, LoaderSettings
+from .serving.rollout import put_back
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .ownership import Wirer, owner_of
 from .wakeups import Wakeups, sleep
-from .weights_loaded import PodFacts, pod_facts
-from .workloads import APIS, leaderworkerset_facts, statefulset_facts
+from .serving.weights_loaded import PodFacts, pod_facts
+from .serving.workloads import APIS, leaderworkerset_facts, statefulset_facts
 
 # While a step runs or a rollout is under way: a poll behind the watch events
 # (a local worker that outlived a restarted operator sends none).
@@ -675,6 +677,7 @@ def ensure_reporter(namespace: str, service_account: str) -> None:
 def delete(body: kopf.Body, uid: str, **_: Any) -> None:
     assert EXECUTOR is not None
     metrics.phase(uid, None)
+    restore_strategies(body)
     remove = getattr(EXECUTOR, "delete", None)
     if body.get("spec", {}).get("deletionPolicy") == "Delete" and remove is not None:
         problem = POLICIES.problem() if POLICIES is not None else None
@@ -683,3 +686,27 @@ def delete(body: kopf.Body, uid: str, **_: Any) -> None:
         log.info("%s/%s: deletionPolicy Delete: removing prepared data", body["metadata"]["namespace"],
                  body["metadata"]["name"])
         remove(parse(dict(body)))
+
+
+def restore_strategies(body: Mapping[str, Any]) -> None:
+    """A ModelWeights that goes mid-rollout gives its Deployments their own strategy back (serving.rollout);
+    an API error is logged, never blocks the deletion."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        mw = parse(dict(body))
+    except InvalidSpec:
+        return
+    for target in mw.spec.serving.workloads() if mw.spec.serving else []:
+        if target.kind != WorkloadKind.DEPLOYMENT.value:
+            continue
+        try:
+            current = workload_api.read(APPS, CUSTOM, namespace, target)
+            if current is None or current.saved_strategy is None \
+                    or current.template_annotations.get(OWNER_ANNOTATION) != name:
+                continue
+            back = put_back(target.name, current.strategy, current.saved_strategy)
+            workload_api.patch(APPS, CUSTOM, namespace, PatchWorkload(target.name, None, rollout=back))
+            kopf.event(dict(body), type=NORMAL, reason=back.change.value, message=back.message[:1024])
+        except ApiException as exc:
+            log.warning("%s/%s: could not put back the strategy of deployment %s: %s", namespace, name,
+                        target.name, exc.reason)

@@ -1,6 +1,6 @@
 """What the kubelet, the scheduler and registries say about a pod, and how to
 quote it in a condition: pure patterns shared by the prepare Jobs' diagnosis
-(executors/diagnosis.py) and the serving pods' (serving_diagnosis.py)."""
+(executors/diagnosis.py) and the serving pods' (serving/diagnosis.py)."""
 from __future__ import annotations
 
 import re

@@ -38,8 +38,8 @@ from datetime import datetime, timedelta, timezone
 
 from .api.types import Artifact, ModelWeightsSpec, NodeCacheEviction, NodeCacheStatus
 from .placement import NodeFacts, Placement, refusal
-from .serving import cache_evicted_label, cache_label
-from .weights_loaded import PodFacts
+from .serving.wiring import cache_evicted_label, cache_label
+from .serving.weights_loaded import PodFacts
 
 REFILL_AFTER = timedelta(minutes=2)  # a pod still waiting this long after it came and its node's fill ended
 FILL_RETRY = timedelta(minutes=1)

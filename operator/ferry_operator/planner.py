@@ -6,7 +6,7 @@ tested without a cluster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -18,12 +18,13 @@ from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, Mode
 from .conditions import get_condition, now, phase_of, set_condition
 from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, Template, cache_plan, refusal_notes
 from .placement import NodeFacts
-from .serving import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
-from .serving_loader import LoaderSettings
+from .serving.wiring import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
+from .serving.loader import LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
-from .serving_diagnosis import WAITING_REASONS, PodTrouble
-from .weights_loaded import PodFacts, summarize
-from .workloads import groups_of
+from .serving.diagnosis import UNSCHEDULABLE, WAITING_REASONS, PodTrouble
+from .serving.weights_loaded import PodFacts, summarize
+from .serving.workloads import groups_of
+from .serving.rollout import RolloutPatch, rollout_patch, surge_hint
 
 
 INT64_MAX = 2**63 - 1
@@ -135,6 +136,8 @@ class PatchWorkload:
     leader_patch: dict | None = None
     leader_service_account: str | None = None
     resource_version: str = ""
+    # A Deployment's strategy for Ferry's rollout (serving.rollout), sent in the same patch as the template.
+    rollout: RolloutPatch | None = None
 
 
 @dataclass
@@ -392,12 +395,17 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             patch = _wire(mw, facts, target, current, loader, gated)
         except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
             return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
-        if patch is not None and cache is not None and cache.hold:
+        held_back = patch is not None and cache is not None and cache.hold
+        roll = _rollout(mw, target, current, patch is not None and not held_back)
+        if held_back:
             waiting.append(f"{target.describe()} waits: {cache.hold}")
             held = True
         elif patch is not None:
-            actions.append(patch)
+            actions.append(replace(patch, rollout=roll))
             waiting.append(f"{target.describe()} patched")
+        elif roll is not None:
+            actions.append(PatchWorkload(target.name, None, kind=target.kind, rollout=roll))
+            waiting.append(roll.message)
         elif not current.rolled_out or not _pods_caught_up(observed, target, current, facts):
             waiting.append(f"{target.describe()} rolling out")
     loading_only = False
@@ -411,7 +419,8 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             waiting.append(loading)
     else:
         draft.conditions = [c for c in draft.conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
-    trouble = _serving_trouble(observed, facts, targets) if waiting else None
+    found = _serving_trouble(observed, facts, targets) if waiting else None
+    trouble = found[0] if found is not None else None
     if trouble is not None and trouble.stalls and not actions:
         return draft.stalled(trouble.reason, "; ".join([*waiting, trouble.message]), facts,
                              ConditionType.SERVING_UPDATED)
@@ -423,13 +432,23 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             reason = "WorkloadNotFound"
         if loading_only:
             reason = "WeightsLoading"
-        if trouble is not None:
-            waiting.append(trouble.message)
+        if found is not None:
+            waiting.append(trouble.message + _surge_hint(mw, observed, *found))
             reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
         out = draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
         out.held = held
         return out
-    return _ready(mw, facts, draft, keep_previous)
+    return _ready(mw, facts, draft, keep_previous, actions)
+
+
+def _rollout(mw: ModelWeights, target: ServingTarget, current: WorkloadFacts,
+             patching: bool) -> RolloutPatch | None:
+    """The strategy change Ferry's rollout of `target` needs now (serving/rollout.py): in place as it starts
+    (or while one runs with old pods left, once the user turned InPlace on), put back once it completed."""
+    policy = mw.spec.serving.rollout.strategy if mw.spec.serving else "Workload"
+    rolling = patching or (not current.rolled_out and current.old_pods > 0)
+    return rollout_patch(policy, target.kind, target.name, current.strategy, current.saved_strategy, rolling,
+                         current.rolled_out and not patching)
 
 
 def _pods_caught_up(observed: Observed, target: ServingTarget, current: WorkloadFacts, facts: Artifact) -> bool:
@@ -526,15 +545,23 @@ def _templates(mw: ModelWeights, observed: Observed) -> list[Template]:
     return out
 
 
-def _serving_trouble(observed: Observed, facts: Artifact, targets: list[ServingTarget]) -> PodTrouble | None:
+def _serving_trouble(observed: Observed, facts: Artifact,
+                     targets: list[ServingTarget]) -> tuple[PodTrouble, str] | None:
     """What keeps a pod of the current template of a wired Deployment from
-    serving (serving_diagnosis.py): the first one that needs a human, else the
+    serving (serving/diagnosis.py), and the workload's key: the first one that needs a human, else the
     first one waiting, by pod name. Old ReplicaSets' pods are on their way out."""
     digest = facts.manifest_digest or facts.uri
     names = {t.key for t in targets}
-    troubles = [p.trouble for p in sorted(observed.pods, key=lambda p: p.name)
+    troubles = [(p.trouble, p.workload) for p in sorted(observed.pods, key=lambda p: p.name)
                 if p.trouble is not None and p.digest == digest and p.workload in names and not p.terminating]
-    return next((t for t in troubles if t.stalls), troubles[0] if troubles else None)
+    return next((t for t in troubles if t[0].stalls), troubles[0] if troubles else None)
+
+
+def _surge_hint(mw: ModelWeights, observed: Observed, trouble: PodTrouble, workload: str) -> str:
+    current = observed.workloads.get(workload)
+    if trouble.reason != UNSCHEDULABLE or current is None:
+        return ""
+    return surge_hint(mw.metadata.name or "", current, trouble.message)
 
 
 def _loaded(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
@@ -565,9 +592,10 @@ def _loaded(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft
     return draft.finish(facts, actions, requeue=2.0), None
 
 
-def _ready(mw: ModelWeights, facts: Artifact, draft: _Draft, keep_previous: int) -> Plan:
+def _ready(mw: ModelWeights, facts: Artifact, draft: _Draft, keep_previous: int, actions: list) -> Plan:
     """Every Deployment serves the current artifact: Ready, and superseded
-    artifacts may go (Delete removes them all, Retain all but the newest keep_previous)."""
+    artifacts may go (Delete removes them all, Retain all but the newest keep_previous). `actions`: serving's
+    that do not hold Ready (a turned-off node cache's fills to remove)."""
     status = draft.status
     targets = mw.spec.serving.workloads() if mw.spec.serving else []
     if targets:
@@ -583,7 +611,7 @@ def _ready(mw: ModelWeights, facts: Artifact, draft: _Draft, keep_previous: int)
     keep = 0 if mw.spec.deletion_policy == "Delete" else keep_previous
     removals = [RemoveArtifact(a) for a in status.previous_artifacts[keep:]]
     status.previous_artifacts = status.previous_artifacts[:keep]
-    return draft.finish(facts, removals)
+    return draft.finish(facts, [*actions, *removals])
 
 
 def _supersede(status: ModelWeightsStatus, current: Artifact) -> None:

@@ -16,9 +16,10 @@ import json
 import pytest
 
 import localcluster
+import localnode
 from cluster_support import wait_for
-from node_support import (NAMESPACE, condition, modelweights, mw_status, s3_secret, unique, upload_dir, wait_ready,
-                          wait_stalled)
+from node_support import (NAMESPACE, condition, modelweights, mw_status, pods_of, s3_secret, unique, upload_dir,
+                          wait_ready, wait_stalled)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 # vLLM's own start-up failure, as its stand-in prints it, after the loader verified the weights.
@@ -31,7 +32,7 @@ MISSING_IMAGE = "ferry.local/vllm:not-on-this-node"
 
 
 def deployment(kube, name: str, *, image: str | None = None, script: str | None = None,
-               gpus: int | None = None) -> None:
+               gpus: int | None = None, cpu: str | None = None) -> None:
     busybox = localcluster.built_images()["busybox"]["ref"]
     labels = {"app": name}
     container = {"name": "vllm", "image": image or busybox, "imagePullPolicy": "Never",
@@ -44,6 +45,8 @@ def deployment(kube, name: str, *, image: str | None = None, script: str | None 
         spec["volumes"] = [{"name": "standin", "configMap": {"name": f"{name}-vllm", "defaultMode": 0o755}}]
     if gpus is not None:
         container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    if cpu is not None:
+        container["resources"] = {"requests": {"cpu": cpu}}
     kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NAMESPACE},
                 "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "progressDeadlineSeconds": 600,
                          "template": {"metadata": {"labels": labels}, "spec": spec}}})
@@ -127,6 +130,74 @@ def test_an_unschedulable_serving_pod_is_named_with_the_schedulers_words(node, f
     found = wait_for(reconciling, f"{name} Reconciling/Unschedulable", 300)
     assert f"(deployment {name}) cannot be scheduled" in found["message"], found
     assert "nvidia.com/gpu" in found["message"], found
+    assert "rollout.strategy: InPlace" not in found["message"], found  # its old pod waits too: no room to free
     assert condition(mw_status(node, NAMESPACE, name), "Stalled").get("status") != "True"
     events = [e for e in events_of(node, name) if e["reason"] == "Unschedulable"]
     assert events and events[0]["type"] == "Warning", json.dumps(events_of(node, name))[:2000]
+
+
+SERVES = ("#!/bin/sh\nmkdir -p /tmp/www && echo ok > /tmp/www/health\n"
+          "exec httpd -f -p 8000 -h /tmp/www\n")
+
+
+def free_millicpu(kube) -> int:
+    """The real node's allocatable CPU less what its pods request (a pod's request is the larger of its
+    largest init container's and the sum of its containers')."""
+    node = kube.get_json("node", localnode.NODE_NAME)
+
+    def milli(q: str | None) -> int:
+        q = q or "0"
+        return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
+
+    def request(spec: dict, key: str) -> int:
+        return milli(((spec.get("resources") or {}).get("requests") or {}).get(key))
+    used = 0
+    for pod in kube.get_json("pods", "-A", "--field-selector", f"spec.nodeName={localnode.NODE_NAME}")["items"]:
+        if pod["status"].get("phase") in ("Succeeded", "Failed"):
+            continue
+        spec = pod["spec"]
+        used += max([request(c, "cpu") for c in spec.get("initContainers") or []]
+                    + [sum(request(c, "cpu") for c in spec["containers"])])
+    return milli(node["status"]["allocatable"]["cpu"]) - used
+
+
+def test_a_surge_pod_with_no_room_names_in_place_which_then_completes_the_rollout(node, chart_operator, node_s3,
+                                                                                   checkpoint):
+    """The demo-cluster deadlock on the real node: a Deployment that surges (the default 25%) and asks for
+    more than half the node's free CPU. Ferry's rollout makes a surge pod the scheduler cannot place while
+    the old pod runs; the status names the fix; the user sets serving.rollout InPlace and the same rollout
+    completes, after which the Deployment has its own strategy back."""
+    name = unique("room")
+    deployment(node, name, script=SERVES, cpu=f"{free_millicpu(node) * 6 // 10}m")  # one pod fits, two do not
+    wired_modelweights(node, node_s3, checkpoint, name)
+    wait_ready(node, NAMESPACE, name, timeout=300)
+    own = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["strategy"]
+    assert own["rollingUpdate"]["maxSurge"] == "25%", own
+    # A rollout Ferry starts: the loader goes (serving.readinessGate false), so the template changes.
+    node.kubectl("patch", "modelweights", name, "-n", NAMESPACE, "--type=merge", "-p",
+                 json.dumps({"spec": {"serving": {"readinessGate": False}}}))
+
+    def unschedulable():
+        c = condition(mw_status(node, NAMESPACE, name), "Reconciling")
+        return c if c.get("reason") == "Unschedulable" else None
+    stuck = wait_for(unschedulable, f"{name} Reconciling/Unschedulable", 180)
+    assert "Insufficient cpu" in stuck["message"], stuck
+    assert (f"needs room that 1 old pod(s) of deployment {name} still hold" in stuck["message"]
+            and f"spec.serving.rollout.strategy: InPlace in ModelWeights {name}" in stuck["message"]), stuck
+    assert len(pods_of(node, name)) == 2  # the old pod serves on; the surge pod waits
+
+    node.kubectl("patch", "modelweights", name, "-n", NAMESPACE, "--type=merge", "-p",
+                 json.dumps({"spec": {"serving": {"rollout": {"strategy": "InPlace"}}}}))
+    generation = node.get_json("modelweights", name, "-n", NAMESPACE)["metadata"]["generation"]
+
+    def done():
+        status = mw_status(node, NAMESPACE, name)
+        return status if (status.get("observedGeneration") == generation
+                          and condition(status, "Ready").get("status") == "True") else None
+    wait_for(done, f"{name} Ready in place", 300)
+    after = node.get_json("deployment", name, "-n", NAMESPACE)
+    assert after["spec"]["strategy"] == own, after["spec"]["strategy"]
+    assert "ferry.dev/rollout-strategy" not in (after["metadata"].get("annotations") or {})
+    assert not after["spec"]["template"]["spec"].get("initContainers")  # the rollout that was stuck is done
+    reasons = [e["reason"] for e in events_of(node, name)]
+    assert "RollingInPlace" in reasons and "RolloutStrategyRestored" in reasons, reasons

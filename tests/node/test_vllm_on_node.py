@@ -24,8 +24,8 @@ import pytest
 import localcluster
 import localnode
 import vllm_pod
-from ferry_operator.serving import MOUNT_PATH
-from ferry_operator.serving_loader import LOCAL_PATH
+from ferry_operator.serving.wiring import MOUNT_PATH
+from ferry_operator.serving.loader import LOCAL_PATH
 
 from checkpoints import write_checkpoint
 from cluster_support import wait_for

@@ -15,7 +15,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from file_damage import flip_byte
-from ferry_operator.serving import CACHE_AGENT_LABEL, cache_evicted_label, cache_label
+from ferry_operator.serving.wiring import CACHE_AGENT_LABEL, cache_evicted_label, cache_label
 from ferry_worker.cache.node_labels import (AGENT_LABEL, LABEL_PREFIX, NodeLabeler, evicted_label_for, label_for,
                                             label_patch, wanted_labels)
 from ferry_worker.cache.store import CORRUPT, REMOVAL_MEMORY_S, CacheStore, Watermarks, cache_key

@@ -539,6 +539,27 @@ class NodeCache(Model):
     prewarm: NodeCachePrewarm | None = Field(None, description="Fill selected nodes before the rollout.")
 
 
+class RolloutStrategy(str, Enum):
+    """How the rollouts Ferry triggers replace a Deployment's pods."""
+
+    WORKLOAD = "Workload"  # by the Deployment's own strategy
+    IN_PLACE = "InPlace"  # one old pod at a time is removed before its replacement is made
+
+
+class Rollout(Model):
+    """How Ferry's rollouts replace pods."""
+
+    strategy: RolloutStrategy = Field(
+        RolloutStrategy.WORKLOAD,
+        description="Workload: each workload rolls by its own strategy. InPlace: while a rollout Ferry started "
+                    "runs on a Deployment whose strategy surges, Ferry sets maxSurge 0 and maxUnavailable 1, so "
+                    "the new pod takes the room its old pod frees (a full GPU pool has no room for a surge pod), "
+                    "and puts the Deployment's own strategy back once the rollout completes (it keeps it in the "
+                    "annotation ferry.dev/rollout-strategy meanwhile). StatefulSets and LeaderWorkerSets roll "
+                    "without surging already and are left alone.",
+    )
+
+
 SERVING_RULES = [
     Rule(
         "(has(self.deployments) ? size(self.deployments) : 0) + (has(self.targets) ? size(self.targets) : 0)"
@@ -616,6 +637,8 @@ class Serving(Model):
     )
     node_cache: NodeCache | None = Field(
         None, description="Serve from a verified copy on each node's own disk, filled once per node and digest.")
+    rollout: Rollout = Field(default_factory=Rollout,
+                             description="How the rollouts Ferry triggers replace the Deployments' pods.")
 
     @model_validator(mode="after")
     def _rules(self) -> "Serving":

@@ -21,6 +21,12 @@ With `serving.localCopy` the loader also copies the files to an emptyDir on
 the node (`--copy-to`), in the same pass that verifies them, and vLLM loads
 the copy: for network filesystems slower than local disk.
 
+The loader never decides where a pod may go: a pod's scheduling request is
+the larger of each init container's and the sum of its containers', so the
+loader's CPU, memory and ephemeral-storage requests are capped at the serving
+container's (fitted_resources). Extended resources (GPUs, hugepages), whose
+request must equal their limit, are left as configured.
+
 Turning the gate off removes the init container, the gate and the token
 volume (a probe Ferry added stays: it is true either way).
 """
@@ -28,7 +34,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 LOADER_CONTAINER = "ferry-load"
 GATE = "ferry.dev/weights-loaded"
@@ -69,6 +78,35 @@ def loader_container(settings: LoaderSettings, location: str, digest: str, mount
     if settings.image_pull_policy:
         container["imagePullPolicy"] = settings.image_pull_policy
     return container
+
+
+CAPPED = ("cpu", "memory", "ephemeral-storage")
+
+
+def _quantity(value: Any) -> Decimal | None:
+    try:
+        return parse_quantity(value)
+    except (ValueError, TypeError, ArithmeticError):
+        return None
+
+
+def fitted_resources(loader: dict[str, Any], serving: dict[str, Any]) -> dict[str, Any]:
+    """The loader's resources with each CAPPED request at most the serving container's (its request, else
+    its limit; a loader limit without a request is its request). What neither states is left alone."""
+    requests = dict(loader.get("requests") or {})
+    limits = dict(loader.get("limits") or {})
+    for name in CAPPED:
+        cap = (serving.get("requests") or {}).get(name, (serving.get("limits") or {}).get(name))
+        asked = requests.get(name, limits.get(name))
+        cap_q, asked_q = _quantity(cap), _quantity(asked)
+        if cap_q is not None and asked_q is not None and asked_q > cap_q:
+            requests[name] = cap
+    out = {k: v for k, v in loader.items() if k not in ("requests", "limits")}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
 
 
 def token_volume() -> dict[str, Any]:

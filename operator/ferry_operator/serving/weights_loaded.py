@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .serving import DIGEST_ANNOTATION, OWNER_ANNOTATION
-from .serving_diagnosis import PodTrouble, pod_trouble, workload_of
-from .serving_loader import GATE, LOADER_CONTAINER
+from .wiring import DIGEST_ANNOTATION, OWNER_ANNOTATION
+from .diagnosis import PodTrouble, pod_trouble, workload_of
+from .loader import GATE, LOADER_CONTAINER
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Ferry owns a small set of vLLM flags in the chosen container's command line
 (model, load format, parallel sizes, expert parallelism, loader config) and
-leaves every other word as the user wrote it; `serving_shapes` finds where
+leaves every other word as the user wrote it; `shapes` finds where
 vLLM reads its model in the usual container shapes (`vllm serve MODEL`, the
 api_server module, a `sh -c` script, an image entrypoint). The artifact is
 mounted read-only at /ferry/weights (PVC, or a hostPath for the local
@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-from .api.types import Artifact, FormatType, ModelWeightsSpec
-from .placement import Placement, placement_of
-from .serving_loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
-                             health_probe, loader_container, local_volume, token_volume, unwired_gates, wired_gates)
-from .steps import pre_cut, s3_store_env
-from .serving_shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
-                             ServingError, last_flag, recognise)
+from ..api.types import Artifact, FormatType, ModelWeightsSpec
+from ..placement import Placement, placement_of
+from .loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
+                     fitted_resources, health_probe, loader_container, local_volume, token_volume, unwired_gates,
+                     wired_gates)
+from ..steps import pre_cut, s3_store_env
+from .shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
+                     ServingError, last_flag, recognise)
 
 MOUNT_PATH = "/ferry/weights"
 VOLUME_NAME = "ferry-weights"
@@ -34,6 +35,8 @@ OWNER_ANNOTATION = "ferry.dev/modelweights"
 # The --served-model-name Ferry wrote (absent when the user set their own): what
 # tells Ferry's value, which it keeps current, from a user's, which it never touches.
 SERVED_NAME_ANNOTATION = "ferry.dev/served-model-name"
+# On a Deployment rolling in place (serving.rollout): its own strategy, put back afterwards (serving/rollout.py).
+SAVED_STRATEGY = "ferry.dev/rollout-strategy"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,13 @@ class WorkloadFacts:
     resource_version: str = ""  # as read: an LWS's patch is refused if it changed since
     # Its own tolerations, nodeSelector and required node affinity: where its pods, and so its fill Jobs, may go.
     placement: Placement = field(default_factory=Placement)
+    resources: dict[str, dict[str, Any]] = field(default_factory=dict)  # container name -> its resources
+    # A Deployment's rollout: spec.strategy, the strategy Ferry saved (serving/rollout.py; the raw annotation),
+    # its pods not of the current template (status.replicas - updatedReplicas), and its available pods.
+    strategy: dict[str, Any] | None = None
+    saved_strategy: str | None = None
+    old_pods: int = 0
+    available: int = 0
 
 
 GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
@@ -117,6 +127,7 @@ def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> W
         preferred_nodes=list(((pod.get("affinity") or {}).get("nodeAffinity") or {})
                              .get("preferredDuringSchedulingIgnoredDuringExecution") or []),
         placement=placement_of(pod),
+        resources={c["name"]: dict(c.get("resources") or {}) for c in containers},
         **{"rolled_out": False, **workload},
     )
 
@@ -131,8 +142,11 @@ def deployment_facts(body: Mapping[str, Any]) -> WorkloadFacts:
         and (status.get("replicas") or 0) == want  # no old pods left
         and (status.get("availableReplicas") or 0) == want
     )
+    saved = (meta.get("annotations") or {}).get(SAVED_STRATEGY)
     return template_facts(meta.get("name", ""), spec.get("template") or {}, rolled_out=rolled_out, replicas=want,
-                          groups=want)
+                          groups=want, strategy=spec.get("strategy"), saved_strategy=saved,
+                          old_pods=max(0, (status.get("replicas") or 0) - (status.get("updatedReplicas") or 0)),
+                          available=status.get("availableReplicas") or 0)
 
 
 def model_location(artifact_uri: str) -> str:
@@ -417,6 +431,11 @@ def template_patch(
     digest = artifact.manifest_digest or artifact.uri
     env = s3_env(spec) if mounted is None else []
     init = loader_container(loader, location, digest, [mounted[1]] if mounted else [], env) if gated else None
+    if init is not None:
+        fitted = fitted_resources(loader.resources, current.resources.get(name) or {})
+        init.pop("resources", None)
+        if fitted:
+            init["resources"] = fitted
     if init is not None and local:
         init["args"] += ["--copy-to", LOCAL_PATH]
         init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
@@ -441,7 +460,7 @@ def template_patch(
             and preferred == current.preferred_nodes and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
         return None
     # A container that fails leaves the tail of its log (vLLM's own error line)
-    # as its termination message, which the operator quotes (serving_diagnosis.py).
+    # as its termination message, which the operator quotes (serving/diagnosis.py).
     # Not part of what makes a template current: set whenever Ferry rewires.
     c: dict[str, Any] = {"name": name, "args": new_args, "terminationMessagePolicy": "FallbackToLogsOnError"}
     if new_command != command:

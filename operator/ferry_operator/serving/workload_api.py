@@ -3,15 +3,18 @@ has one) and apply a PatchWorkload. Thin: what to read and write is workloads.py
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.exceptions import ApiException
 
 from . import strategic
-from .api.types import ServingTarget, WorkloadKind
-from .planner import PatchWorkload
-from .serving import WorkloadFacts
+from ..api.types import ServingTarget, WorkloadKind
+from .wiring import WorkloadFacts
+from .rollout import with_strategy
 from .workloads import APIS, workload_facts
+
+if TYPE_CHECKING:  # the planner imports serving; only its type is named here
+    from ..planner import PatchWorkload
 
 STRATEGIC = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -44,7 +47,8 @@ def patch(apps: Any, custom: Any, namespace: str, action: PatchWorkload) -> None
     one JSON patch that first tests the resourceVersion the patch was planned from (and merged onto), so a
     change since fails it (422) and the next reconcile plans again instead of overwriting the change."""
     if action.kind == WorkloadKind.DEPLOYMENT.value:
-        apps.patch_namespaced_deployment(action.name, namespace, action.patch, _content_type=STRATEGIC)
+        body = with_strategy(action.patch, action.rollout)  # one patch: the rollout starts with its strategy
+        apps.patch_namespaced_deployment(action.name, namespace, body, _content_type=STRATEGIC)
         return
     if action.kind == WorkloadKind.STATEFUL_SET.value:
         apps.patch_namespaced_stateful_set(action.name, namespace, action.patch, _content_type=STRATEGIC)

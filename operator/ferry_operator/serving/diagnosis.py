@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .api.types import WorkloadKind, target_key
-from .kubelet_words import MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, error_line, last_line
+from ..api.types import WorkloadKind, target_key
+from ..kubelet_words import MISSING_REFERENCE, PULL_RETRIED, REGISTRY_REFUSED, error_line, last_line
 
 # Reasons (condition reasons and Event reasons: CamelCase).
 IMAGE_NOT_FOUND = "ImageNotFound"

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .api.types import ServingTarget, WorkloadKind
-from .serving import Group, ServingError, WorkloadFacts, deployment_facts, template_facts
+from ..api.types import ServingTarget, WorkloadKind
+from .wiring import Group, ServingError, WorkloadFacts, deployment_facts, template_facts
 
 STATEFULSET_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 LWS_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
