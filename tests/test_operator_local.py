@@ -201,6 +201,34 @@ def test_serving_deployment_is_wired_and_rolled_on_spec_change(crd, namespace, o
     assert len(replica_sets(crd, namespace, "tiny-vllm")) == 3  # original, first wiring, the change
 
 
+def test_a_rollout_in_place_that_never_ends_gives_the_strategy_back_when_its_modelweights_goes(
+        crd, namespace, operator, tmp_path):
+    """serving.rollout InPlace on a Deployment whose pods can never run (more GPUs than any node has): the
+    wiring patch sets maxSurge 0 with the Deployment's own strategy saved; deleting the ModelWeights puts it
+    back (the delete handler, before the finalizer goes)."""
+    src = tiny_checkpoint(tmp_path / "src")
+    dep = vllm_deployment(namespace, "stuck")
+    dep["spec"]["template"]["spec"]["containers"][1]["resources"] = {"limits": {"nvidia.com/gpu": "64"}}
+    own = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 2, "maxUnavailable": 0}}
+    dep["spec"]["strategy"] = own
+    crd.apply(dep)
+    crd.apply(modelweights("inplace", namespace, f"file://{src}",
+                           serving={"deployments": [{"name": "stuck", "container": "vllm"}],
+                                    "rollout": {"strategy": "InPlace"}}))
+
+    def in_place():
+        d = crd.get_json("deployment", "stuck", "-n", namespace)
+        return d if d["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0 else None
+    d = wait_for(in_place, "deployment stuck rolling in place", 120)
+    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert json.loads(d["metadata"]["annotations"]["ferry.dev/rollout-strategy"]) == own
+    assert d["spec"]["template"]["metadata"]["annotations"]["ferry.dev/modelweights"] == "inplace"
+    crd.kubectl("delete", "mw", "inplace", "-n", namespace, "--wait=true", "--timeout=60s", timeout=90)
+    d = crd.get_json("deployment", "stuck", "-n", namespace)
+    assert d["spec"]["strategy"] == own
+    assert "ferry.dev/rollout-strategy" not in (d["metadata"].get("annotations") or {})
+
+
 def test_missing_container_stalls_naming_it(crd, namespace, operator, tmp_path):
     src = tiny_checkpoint(tmp_path / "src")
     crd.apply(vllm_deployment(namespace, "other"))
