@@ -130,3 +130,13 @@ def test_the_status_patch_nulls_artifact_fields_the_operator_no_longer_sets():
     patch = _status_patch({"artifact": forged}, ModelWeightsStatus.model_validate({"artifact": mine}))
     assert patch["artifact"]["experts"] is None and patch["artifact"]["expertParallel"] is None
     assert patch["artifact"]["totalBytes"] == 3
+
+
+def test_the_status_patch_writes_and_clears_compiled_state():
+    from ferry_operator.api.types import ModelWeightsStatus
+    from ferry_operator.handlers import _status_patch
+
+    status = ModelWeightsStatus.model_validate({"compiledState": {"key": "k", "restoredReplicas": 1}})
+    patch = _status_patch({}, status)
+    assert patch["compiledState"]["restoredReplicas"] == 1
+    assert _status_patch({"compiledState": {"key": "k"}}, ModelWeightsStatus())["compiledState"] is None

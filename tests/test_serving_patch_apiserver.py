@@ -153,3 +153,39 @@ def test_a_rollout_in_place_and_the_strategy_put_back_merge_as_planned(kube, nam
     after = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
     expected = own if not surging else {"type": "RollingUpdate", "rollingUpdate": own["rollingUpdate"]}
     assert after.strategy == expected and after.saved_strategy is None
+
+
+def test_compiled_state_on_and_off_merges_cleanly(kube, namespace):
+    """serving.compiledState on, then off: the harvest sidecar, the cache emptyDir, the loader's and vLLM's
+    mounts of it and VLLM_CACHE_ROOT all go, and the claim is read-only again; no patch is refused."""
+    from ferry_operator.serving.compiled import HARVEST_CONTAINER
+    name = "compiled"
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}}, "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                             "args": ["--model", "m"]}]}}}})
+    artifact = Artifact(uri="pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact", format="sharded_state",
+                        total_bytes=1 << 20, manifest_digest=DIGEST)
+
+    def wire(mode: str) -> dict:
+        current = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+        s = parse(with_("serving.compiledState", {"mode": mode})).spec
+        patch = template_patch(s, "llama", artifact, "vllm", current, LoaderSettings(image="ferry.local/f:1"))
+        assert patch is not None
+        kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p", json.dumps(patch))
+        return kube.get_json("deployment", name, "-n", namespace)["spec"]["template"]["spec"]
+
+    on = wire("AfterFirstReady")
+    assert [c["name"] for c in on["initContainers"]] == ["ferry-load", HARVEST_CONTAINER]
+    assert on["initContainers"][1]["restartPolicy"] == "Always"
+    (claim,) = [v for v in on["volumes"] if "persistentVolumeClaim" in v]
+    assert not claim["persistentVolumeClaim"].get("readOnly")  # false is left out
+    off = wire("Off")
+    assert [c["name"] for c in off["initContainers"]] == ["ferry-load"]
+    assert {v["name"] for v in off["volumes"]} == {"ferry-weights", "ferry-loader-token"}
+    (claim,) = [v for v in off["volumes"] if "persistentVolumeClaim" in v]
+    assert claim["persistentVolumeClaim"]["readOnly"] is True
+    mounts = [m["mountPath"] for c in off["initContainers"] + off["containers"] for m in c.get("volumeMounts", [])]
+    assert not [m for m in mounts if m.startswith("/ferry/compiled")], mounts
+    assert not [e for e in off["containers"][0].get("env", []) if e["name"] == "VLLM_CACHE_ROOT"]

@@ -243,3 +243,65 @@ def test_a_limit_only_loader_and_extended_resources():
     fitted = fitted_resources({"limits": {"cpu": "2", "hugepages-2Mi": "1Gi"}}, {"requests": {"cpu": "250m"}})
     assert fitted == {"requests": {"cpu": "250m"}, "limits": {"cpu": "2", "hugepages-2Mi": "1Gi"}}
     assert fitted_resources({}, {"requests": {"cpu": "1"}}) == {}
+
+
+# --- review findings ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("own", [
+    {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "05%", "maxUnavailable": "25%"}},
+    {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "1000000000%", "maxUnavailable": 0}},
+    {"type": "RollingUpdate"},  # the API server defaults rollingUpdate
+])
+def test_every_strategy_ferry_saves_it_can_put_back(own):
+    roll = rollout_patch("InPlace", "Deployment", NAME, own, None, True, False)
+    saved = roll.patch["metadata"]["annotations"][SAVED_STRATEGY]
+    assert put_back(NAME, IN_PLACE, saved).change == Change.RESTORED
+
+
+@pytest.mark.parametrize("odd", ["RollingUpdate", ["x"], {"type": "RollingUpdate", "rollingUpdate": "x"},
+                                 {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "5%\n"}}])
+def test_a_strategy_ferry_could_not_put_back_is_never_replaced(odd):
+    assert not surges(odd)
+    assert rollout_patch("InPlace", "Deployment", NAME, odd, None, True, False) is None
+
+
+def test_a_saved_strategy_that_is_not_text_ferry_can_encode_holds_none():
+    assert parse_saved("\ud800") is None
+
+
+def test_the_put_back_is_refused_if_the_deployment_changed_since_it_was_read():
+    back = rollout_patch("InPlace", "Deployment", NAME, IN_PLACE, json.dumps(DEFAULT), False, True, "4711")
+    assert back.patch["metadata"]["resourceVersion"] == "4711"
+
+
+def test_a_held_rollout_still_puts_the_last_strategy_back():
+    from ferry_operator.node_cache import CachePlan
+    import ferry_operator.planner as planner
+    m = mw()
+    done = wired(m, strategy=IN_PLACE, saved_strategy=json.dumps(DEFAULT))
+    other = replace(FACTS, manifest_digest="sha256:" + "1" * 64)
+    held = CachePlan(actions=[], hold="prewarm of the next artifact")
+    original = planner._node_cache
+    planner._node_cache = lambda *a, **k: held
+    try:
+        p = plan(m, replace(observed(m, done), artifact=other))
+    finally:
+        planner._node_cache = original
+    (action,) = p.actions
+    assert action.patch is None and action.rollout.change == Change.RESTORED
+
+
+@pytest.mark.parametrize("q", ["NaN", "Infinity", "-1", True, None, ["1"]])
+def test_quantities_that_are_not_one_are_left_alone(q):
+    fitted = fitted_resources({"requests": {"cpu": "1"}}, {"requests": {"cpu": q}})
+    assert fitted == {"requests": {"cpu": "1"}}
+    assert fitted_resources({"requests": {"cpu": q}}, {"requests": {"cpu": "1"}}) == {"requests": {"cpu": q}}
+
+
+def test_the_delete_handler_reads_the_deployments_of_a_spec_that_no_longer_parses():
+    from ferry_operator.handlers import _deployments_named
+    spec = {"serving": {"deployments": [{"name": "a"}, {"name": 7}, "x", {"name": "a"}],
+                        "targets": [{"kind": "StatefulSet", "name": "s"}, {"name": "b"}], "bogus": 1},
+            "format": "not a format"}
+    assert _deployments_named(spec) == ["a", "b"]
+    assert _deployments_named({"serving": "x"}) == [] and _deployments_named({}) == []

@@ -10,6 +10,7 @@ RESYNC_INTERVAL (a safety net) once Ready or stalled.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import functools
 import json
@@ -17,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +32,8 @@ from kubernetes.client.exceptions import ApiException
 from . import metrics
 from .serving import workload_api
 from .admission_policies import PolicyGuard, policy_names
-from .api.types import (GROUP, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus, WorkloadKind,
-                        target_key)
+from .api.types import (GROUP, MAX_WORKLOADS, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus,
+                        ServingTarget, WorkloadKind, target_key)
 from .api.validation import InvalidSpec, parse
 from .events import NORMAL, WARNING, Event, transitions
 from .executors.diagnosis import FORBIDDEN, forbidden
@@ -42,6 +44,7 @@ from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, Re
 from .serving.wiring import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts,
                              cache_evicted_label, cache_label, deployment_facts)
 from .serving.loader import REPORTER_CLUSTER_ROLE, LoaderSettings
+from .serving.compiled import pod_outcome
 from .serving.rollout import put_back
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .ownership import Wirer, owner_of
@@ -353,13 +356,13 @@ def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str
     new = after.model_dump(by_alias=True, mode="json", exclude_none=True)
     patch: dict[str, Any] = {}
     for key in ("observedGeneration", "phase", "conditions", "progress", "artifact", "previousArtifacts", "retry",
-                "lastHandledRequestedAt", "loaded", "cache"):
+                "lastHandledRequestedAt", "loaded", "cache", "compiledState"):
         if key in new and new[key] != before.get(key):
             old = before.get(key)
             # A merge patch merges maps: a field the operator no longer sets (e.g. forged `experts`) is nulled.
             gone = {k: None for k in old if k not in new[key]} if isinstance(old, dict) and isinstance(new[key], dict) else {}
             patch[key] = {**gone, **new[key]} if gone else new[key]
-    for key in ("progress", "retry", "loaded", "cache"):  # cleared: null removes it (merge patch)
+    for key in ("progress", "retry", "loaded", "cache", "compiledState"):  # cleared: null removes it (merge patch)
         if key in before and key not in new:
             patch[key] = None
     return patch
@@ -437,12 +440,18 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
         _held.pop(key, None)
 
 
+# One object's reconcile pass and its delete handler never act at once: the handler reads the Deployments
+# after the pass's last patch (serving.rollout's strategy put back is then final).
+_acting: dict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+
+
 def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
                    indexes: dict[str, Any]) -> Reconciled:
     """One observe-plan-act pass: the status it computed, and when to look again."""
     started = time.monotonic()
     result = "error"
     try:
+        _acting[(namespace, name)].acquire()
         # kopf passes each index under its handler's name.
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
             EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"], indexes.get("fill_jobs"))
@@ -452,6 +461,7 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
                                                      indexes.get("cache_nodes"), indexes.get("nodes"))
         WAKEUPS.record((namespace, name), _inputs(body), _wired_keys(body.get("spec")))
     finally:
+        _acting[(namespace, name)].release()
         metrics.RECONCILES.labels(result).inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return Reconciled(delay, patch)
@@ -580,6 +590,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         prewarm_labels=PREWARM_LABELS,
     )
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
+    _observe_starts(observed.pods, result.status)
     # Held with nothing to do: each such reconcile in a row doubles the poll (an action starts it afresh).
     _held[(namespace, name)] = _held.get((namespace, name), 0) + 1 if result.held and not result.actions else 0
     digest = result.status.cache.digest if result.status.cache else ""
@@ -613,6 +624,8 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         elif isinstance(action, RemoveFill):
             EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
         elif isinstance(action, PatchWorkload):
+            if (mw.metadata.model_extra or {}).get("deletionTimestamp"):
+                continue  # going: the delete handler puts strategies back; nothing is wired any more
             log.info("%s/%s: wiring %s %s", namespace, name, action.kind.lower(), action.name)
             for account in {action.reporter_service_account, action.leader_service_account} - {None}:
                 ensure_reporter(namespace, account)
@@ -692,13 +705,14 @@ def restore_strategies(body: Mapping[str, Any]) -> None:
     """A ModelWeights that goes mid-rollout gives its Deployments their own strategy back (serving.rollout);
     an API error is logged, never blocks the deletion."""
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    try:
-        mw = parse(dict(body))
-    except InvalidSpec:
-        return
-    for target in mw.spec.serving.workloads() if mw.spec.serving else []:
-        if target.kind != WorkloadKind.DEPLOYMENT.value:
-            continue
+    with _acting[(namespace, name)]:
+        _restore_named(body, namespace, name)
+    _acting.pop((namespace, name), None)
+
+
+def _restore_named(body: Mapping[str, Any], namespace: str, name: str) -> None:
+    for deployment in _deployments_named(body.get("spec") or {}):
+        target = ServingTarget(name=deployment)
         try:
             current = workload_api.read(APPS, CUSTOM, namespace, target)
             if current is None or current.saved_strategy is None \
@@ -707,6 +721,25 @@ def restore_strategies(body: Mapping[str, Any]) -> None:
             back = put_back(target.name, current.strategy, current.saved_strategy)
             workload_api.patch(APPS, CUSTOM, namespace, PatchWorkload(target.name, None, rollout=back))
             kopf.event(dict(body), type=NORMAL, reason=back.change.value, message=back.message[:1024])
-        except ApiException as exc:
+        except Exception as exc:  # noqa: BLE001 - never blocks the deletion; the annotation keeps the strategy
             log.warning("%s/%s: could not put back the strategy of deployment %s: %s", namespace, name,
-                        target.name, exc.reason)
+                        target.name, getattr(exc, "reason", None) or exc)
+
+
+def _deployments_named(spec: Mapping[str, Any]) -> list[str]:
+    """The Deployments a ModelWeights' spec names, read leniently (a spec that no longer parses still names
+    them): serving.deployments[].name and serving.targets[] of kind Deployment, at most MAX_WORKLOADS."""
+    serving = spec.get("serving") if isinstance(spec.get("serving"), Mapping) else {}
+    names = [d.get("name") for d in serving.get("deployments") or [] if isinstance(d, Mapping)]
+    names += [t.get("name") for t in serving.get("targets") or [] if isinstance(t, Mapping)
+              and t.get("kind", WorkloadKind.DEPLOYMENT.value) == WorkloadKind.DEPLOYMENT.value]
+    return [n for n in dict.fromkeys(names) if isinstance(n, str) and n][:MAX_WORKLOADS]
+
+
+def _observe_starts(pods: list[PodFacts], status: ModelWeightsStatus) -> None:
+    """ferry_serving_pod_start_seconds for each Ready wired pod, once, by its loader's compiled-state outcome."""
+    using = status.compiled_state is not None and bool(status.compiled_state.key)
+    for p in pods:
+        if p.ready and p.ready_seconds is not None:
+            outcome = pod_outcome(p.message) if using else None
+            metrics.pod_started(p.uid, p.ready_seconds, outcome[0] if outcome else "off")

@@ -13,13 +13,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .api.types import (Artifact, Condition, ConditionType, LoadedReplicas, ModelWeights, ModelWeightsStatus,
-                        Progress, ServingTarget, StepRetry, WorkloadKind)
+from .api.types import (Artifact, CompiledStateMode, CompiledStateStatus, Condition, ConditionType, LoadedReplicas,
+                        ModelWeights, ModelWeightsStatus, Progress, ServingTarget, StepRetry, WorkloadKind)
 from .conditions import get_condition, now, phase_of, set_condition
 from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, Template, cache_plan, refusal_notes
 from .placement import NodeFacts
 from .serving.wiring import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
-from .serving.loader import LoaderSettings
+from .serving.compiled import changed, plan_compiled, pod_outcome
+from .serving.loader import LoaderSettings, health_probe
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .serving.diagnosis import UNSCHEDULABLE, WAITING_REASONS, PodTrouble
 from .serving.weights_loaded import PodFacts, summarize
@@ -400,6 +401,8 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         if held_back:
             waiting.append(f"{target.describe()} waits: {cache.hold}")
             held = True
+            if roll is not None:  # the last rollout's strategy goes back while the next one is held
+                actions.append(PatchWorkload(target.name, None, kind=target.kind, rollout=roll))
         elif patch is not None:
             actions.append(replace(patch, rollout=roll))
             waiting.append(f"{target.describe()} patched")
@@ -408,6 +411,7 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             waiting.append(roll.message)
         elif not current.rolled_out or not _pods_caught_up(observed, target, current, facts):
             waiting.append(f"{target.describe()} rolling out")
+    status.compiled_state = _compiled_status(mw, observed, facts, targets, gated)
     loading_only = False
     status.loaded = None
     if gated:
@@ -448,7 +452,45 @@ def _rollout(mw: ModelWeights, target: ServingTarget, current: WorkloadFacts,
     policy = mw.spec.serving.rollout.strategy if mw.spec.serving else "Workload"
     rolling = patching or (not current.rolled_out and current.old_pods > 0)
     return rollout_patch(policy, target.kind, target.name, current.strategy, current.saved_strategy, rolling,
-                         current.rolled_out and not patching)
+                         current.rolled_out and not patching, current.resource_version)
+
+
+def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targets: list[ServingTarget],
+                     gated: bool) -> CompiledStateStatus | None:
+    """status.compiledState: the first wired workload's key (or why it has none) and its pods' outcomes."""
+    setting = mw.spec.serving.compiled_state if mw.spec.serving else None
+    if setting is None or setting.mode == CompiledStateMode.OFF.value or not targets:
+        return None
+    target = targets[0]
+    current = observed.workloads.get(target.key)
+    if current is None:
+        return CompiledStateStatus(message=f"{target.describe()} not found")
+    name = target.container or next(iter(current.containers), "")
+    words = current.commands.get(name, []) + current.containers.get(name, [])
+    port = health_probe(words)["httpGet"]["port"]
+    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, target.pods_per_group > 1,
+                             gated, port)
+    if not compiled.on:
+        return CompiledStateStatus(message=compiled.reason)
+    digest = facts.manifest_digest or facts.uri
+    names = {t.key for t in targets}
+    outcomes = [(p.name, pod_outcome(p.message)) for p in sorted(observed.pods, key=lambda p: p.name)
+                if p.digest == digest and p.workload in names and not p.terminating]
+    outcomes = [(pod, o) for pod, o in outcomes if o is not None]
+    restored = sum(1 for _, (state, _) in outcomes if state == "restored")
+    message = "no pod of the current template has loaded yet"
+    if outcomes:
+        pod, (state, reason) = next(((p, o) for p, o in outcomes if o[0] != "restored"), outcomes[0])
+        message = f"pod {pod}: {state}: {reason}"
+    before = mw.status.compiled_state if mw.status else None
+    if before is not None and before.key and before.key != compiled.key:
+        what = changed(before.inputs, compiled) or "its configuration"
+        message = f"new key: {what} changed, so pods compile afresh until one keeps the new state; {message}"
+    elif before is not None and before.key == compiled.key and before.message.startswith("new key:") \
+            and restored == 0:
+        message = before.message  # said until a pod of the new key restores
+    return CompiledStateStatus(key=compiled.key, inputs=dict(compiled.inputs), restored_replicas=restored,
+                               message=message[:1024])
 
 
 def _pods_caught_up(observed: Observed, target: ServingTarget, current: WorkloadFacts, facts: Artifact) -> bool:

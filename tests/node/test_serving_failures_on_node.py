@@ -32,7 +32,7 @@ MISSING_IMAGE = "ferry.local/vllm:not-on-this-node"
 
 
 def deployment(kube, name: str, *, image: str | None = None, script: str | None = None,
-               gpus: int | None = None, cpu: str | None = None) -> None:
+               gpus: int | None = None, cpu: str | None = None, replicas: int = 1) -> None:
     busybox = localcluster.built_images()["busybox"]["ref"]
     labels = {"app": name}
     container = {"name": "vllm", "image": image or busybox, "imagePullPolicy": "Never",
@@ -48,15 +48,15 @@ def deployment(kube, name: str, *, image: str | None = None, script: str | None 
     if cpu is not None:
         container["resources"] = {"requests": {"cpu": cpu}}
     kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NAMESPACE},
-                "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "progressDeadlineSeconds": 600,
+                "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "progressDeadlineSeconds": 600,
                          "template": {"metadata": {"labels": labels}, "spec": spec}}})
 
 
-def wired_modelweights(kube, s3, checkpoint, name: str) -> None:
+def wired_modelweights(kube, s3, checkpoint, name: str, **serving) -> None:
     upload_dir(s3, name, "tiny-llama", checkpoint)
     s3_secret(kube, NAMESPACE, f"{name}-s3", s3)
     mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "safetensors"}, secret=f"{name}-s3")
-    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}]}
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}], **serving}
     kube.apply(mw)
 
 
@@ -168,9 +168,16 @@ def test_a_surge_pod_with_no_room_names_in_place_which_then_completes_the_rollou
     the old pod runs; the status names the fix; the user sets serving.rollout InPlace and the same rollout
     completes, after which the Deployment has its own strategy back."""
     name = unique("room")
-    deployment(node, name, script=SERVES, cpu=f"{free_millicpu(node) * 6 // 10}m")  # one pod fits, two do not
+    deployment(node, name, script=SERVES, cpu=f"{free_millicpu(node) * 6 // 10}m", replicas=0)  # 1 fits, 2 not
     wired_modelweights(node, node_s3, checkpoint, name)
-    wait_ready(node, NAMESPACE, name, timeout=300)
+    wait_ready(node, NAMESPACE, name, timeout=300)  # wired with no pod: Ferry's first rollout surges nothing
+    node.kubectl("scale", "deployment", name, "-n", NAMESPACE, "--replicas=1")
+
+    def serving():
+        d = node.get_json("deployment", name, "-n", NAMESPACE)["status"]
+        return (d.get("availableReplicas") == 1
+                and condition(mw_status(node, NAMESPACE, name), "Ready").get("status") == "True")
+    wait_for(serving, f"{name} serving one wired pod", 180)
     own = node.get_json("deployment", name, "-n", NAMESPACE)["spec"]["strategy"]
     assert own["rollingUpdate"]["maxSurge"] == "25%", own
     # A rollout Ferry starts: the loader goes (serving.readinessGate false), so the template changes.

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import __version__
 from .cache.cli import add_cache_commands
+from .compiled.cli import add_compiled_commands
 from .fetch.cli import add_fetch_commands
 from .results import EXIT_FAILED, EXIT_INPUT, is_input_error, report_result, step_result
 from .load.cli import add_load_commands
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     add_load_commands(commands)
     add_tensorize_commands(commands)
     add_cache_commands(commands)
+    add_compiled_commands(commands)
     return ap
 
 

@@ -560,6 +560,25 @@ class Rollout(Model):
     )
 
 
+class CompiledStateMode(str, Enum):
+    OFF = "Off"
+    AFTER_FIRST_READY = "AfterFirstReady"
+
+
+class CompiledState(Model):
+    """vLLM's compiled state (its VLLM_CACHE_ROOT: Dynamo, Inductor and Triton caches) kept once per
+    configuration and handed to every later pod, so they start without compiling."""
+
+    mode: CompiledStateMode = Field(
+        CompiledStateMode.OFF,
+        description="AfterFirstReady: the first wired pod of a configuration to answer /health keeps what vLLM "
+                    "compiled (a sidecar publishes it on the artifact's claim, under this object's uid); every "
+                    "later pod of the same configuration (weights, image, command line, device kind) has it "
+                    "restored, verified, by its loader before vLLM starts. Needs readinessGate and an artifact on "
+                    "a claim. Off: vLLM compiles in every pod.",
+    )
+
+
 SERVING_RULES = [
     Rule(
         "(has(self.deployments) ? size(self.deployments) : 0) + (has(self.targets) ? size(self.targets) : 0)"
@@ -639,6 +658,8 @@ class Serving(Model):
         None, description="Serve from a verified copy on each node's own disk, filled once per node and digest.")
     rollout: Rollout = Field(default_factory=Rollout,
                              description="How the rollouts Ferry triggers replace the Deployments' pods.")
+    compiled_state: CompiledState = Field(
+        default_factory=CompiledState, description="Keep vLLM's compiled state and restore it into later pods.")
 
     @model_validator(mode="after")
     def _rules(self) -> "Serving":
@@ -882,6 +903,19 @@ class LoadedReplicas(Model):
     p50_load_seconds: float | None = Field(None, ge=0, description="Median seconds the loaded pods' loader ran.")
 
 
+class CompiledStateStatus(Model):
+    """serving.compiledState as the serving pods' loaders found it."""
+
+    key: str = Field("", max_length=80, description="The configuration key of the first wired workload's pods.")
+    inputs: dict[str, Annotated[str, Field(max_length=512)]] = Field(
+        default_factory=dict, max_length=8,
+        description="What the key hashes (weights digest, image, command line hash): a change is named.")
+    restored_replicas: int = Field(0, ge=0, description="Pods of the current artifact whose loader restored a "
+                                                        "verified compiled state.")
+    message: str = Field("", max_length=1024, description="Why compiled state is or is not used, in words: "
+                                                          "the latest pod's outcome, or why none applies.")
+
+
 class NodeCacheEviction(Model):
     """A node that held the current artifact and no longer does."""
 
@@ -943,6 +977,8 @@ class ModelWeightsStatus(Model):
                     "number; Delete removes them once the current artifact is serving).",
     )
     retry: StepRetry | None = Field(None, description="Retries of the failed step, while there is one.")
+    compiled_state: CompiledStateStatus | None = Field(
+        None, description="serving.compiledState: the key, how many pods started warm, and why (not).")
     loaded: LoadedReplicas | None = Field(
         None, description="Serving pods that loaded the current artifact (serving.readinessGate).")
     cache: NodeCacheStatus | None = Field(

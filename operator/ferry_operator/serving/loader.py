@@ -84,23 +84,27 @@ CAPPED = ("cpu", "memory", "ephemeral-storage")
 
 
 def _quantity(value: Any) -> Decimal | None:
+    """A finite, non-negative quantity, or None (not one the API server would take, or absent)."""
     try:
-        return parse_quantity(value)
+        q = parse_quantity(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+        return q if q is not None and q.is_finite() and q >= 0 else None
     except (ValueError, TypeError, ArithmeticError):
         return None
 
 
 def fitted_resources(loader: dict[str, Any], serving: dict[str, Any]) -> dict[str, Any]:
     """The loader's resources with each CAPPED request at most the serving container's (its request, else
-    its limit; a loader limit without a request is its request). What neither states is left alone."""
+    its limit; a loader limit without a request is its request, and the capped request is then always sent,
+    so a request an earlier wiring wrote never outlives a lowered limit). What neither states is left alone."""
     requests = dict(loader.get("requests") or {})
     limits = dict(loader.get("limits") or {})
     for name in CAPPED:
         cap = (serving.get("requests") or {}).get(name, (serving.get("limits") or {}).get(name))
         asked = requests.get(name, limits.get(name))
         cap_q, asked_q = _quantity(cap), _quantity(asked)
-        if cap_q is not None and asked_q is not None and asked_q > cap_q:
-            requests[name] = cap
+        if asked_q is None:
+            continue
+        requests[name] = cap if cap_q is not None and asked_q > cap_q else asked
     out = {k: v for k, v in loader.items() if k not in ("requests", "limits")}
     if requests:
         out["requests"] = requests

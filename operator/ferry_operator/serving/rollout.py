@@ -28,7 +28,7 @@ from .wiring import SAVED_STRATEGY, WorkloadFacts
 IN_PLACE = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 MAX_SAVED_BYTES = 1024
 DEFAULT_SURGE = "25%"  # the API server's default maxSurge and maxUnavailable
-_PERCENT = re.compile(r"^(0|[1-9][0-9]{0,8})%$")
+_PERCENT = re.compile(r"[0-9]{1,10}%")  # the API server's ^[0-9]+%$, bounded
 
 
 class Change(str, Enum):
@@ -55,7 +55,7 @@ def _int_or_percent(value: Any) -> int | None:
         return None
     if isinstance(value, int) and 0 <= value < 2**31:
         return value
-    if isinstance(value, str) and _PERCENT.match(value):
+    if isinstance(value, str) and _PERCENT.fullmatch(value):
         return int(value[:-1])
     return None
 
@@ -66,6 +66,8 @@ def parse_strategy(value: Any) -> dict[str, Any] | None:
         return None
     kind = value.get("type", "RollingUpdate")
     rolling = value.get("rollingUpdate")
+    if kind == "RollingUpdate" and rolling is None:
+        rolling = {}
     if kind == "Recreate":
         return {"type": "Recreate"} if rolling is None else None
     if kind != "RollingUpdate" or not isinstance(rolling, dict) or not set(rolling) <= {"maxSurge", "maxUnavailable"}:
@@ -81,21 +83,21 @@ def parse_strategy(value: Any) -> dict[str, Any] | None:
 
 def parse_saved(raw: str | None) -> dict[str, Any] | None:
     """The strategy SAVED_STRATEGY holds, or None when it holds none the API server would take."""
-    if raw is None or len(raw.encode()) > MAX_SAVED_BYTES:
-        return None
     try:
+        if raw is None or len(raw.encode()) > MAX_SAVED_BYTES:
+            return None
         return parse_strategy(json.loads(raw))
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError):  # UnicodeEncodeError (a lone surrogate) is a ValueError
         return None
 
 
 def surges(strategy: dict[str, Any] | None) -> bool:
-    """Whether a Deployment with this strategy makes a pod before removing an old one."""
-    strategy = strategy or {}
-    if strategy.get("type", "RollingUpdate") != "RollingUpdate":
+    """Whether a Deployment with this strategy makes a pod before removing an old one (False for anything
+    that is not a strategy Ferry could put back: it is then never replaced)."""
+    parsed = parse_strategy(strategy if strategy is not None else {})
+    if parsed is None or parsed["type"] != "RollingUpdate":
         return False
-    surge = _int_or_percent((strategy.get("rollingUpdate") or {}).get("maxSurge", DEFAULT_SURGE))
-    return surge is None or surge > 0
+    return _int_or_percent(parsed["rollingUpdate"]["maxSurge"]) > 0
 
 
 def in_place(strategy: dict[str, Any] | None) -> bool:
@@ -103,13 +105,13 @@ def in_place(strategy: dict[str, Any] | None) -> bool:
 
 
 def rollout_patch(policy: str, kind: str, name: str, strategy: dict[str, Any] | None, saved: str | None,
-                  rolling: bool, rolled_out: bool) -> RolloutPatch | None:
+                  rolling: bool, rolled_out: bool, resource_version: str = "") -> RolloutPatch | None:
     """The patch of a Deployment's strategy. `rolling`: a rollout Ferry starts now (its template patch) or
     one under way with old pods left; `rolled_out`: it is complete. None: nothing to change."""
     if kind != WorkloadKind.DEPLOYMENT.value:
         return None
     if saved is not None:
-        return put_back(name, strategy, saved) if rolled_out and not rolling else None
+        return put_back(name, strategy, saved, resource_version) if rolled_out and not rolling else None
     if policy != RolloutStrategy.IN_PLACE.value or not rolling or not surges(strategy):
         return None
     own = json.dumps(strategy or {}, sort_keys=True, separators=(",", ":"))
@@ -119,8 +121,12 @@ def rollout_patch(policy: str, kind: str, name: str, strategy: dict[str, Any] | 
                                                 f"back when the rollout completes")
 
 
-def put_back(name: str, strategy: dict[str, Any] | None, saved: str) -> RolloutPatch:
-    drop = {"metadata": {"annotations": {SAVED_STRATEGY: None}}}
+def put_back(name: str, strategy: dict[str, Any] | None, saved: str, resource_version: str = "") -> RolloutPatch:
+    """The patch that ends a rollout in place. With `resource_version` (the Deployment as read) the API server
+    refuses it (409) if the Deployment changed since, and the next reconcile decides again."""
+    drop: dict[str, Any] = {"metadata": {"annotations": {SAVED_STRATEGY: None}}}
+    if resource_version:
+        drop["metadata"]["resourceVersion"] = resource_version
     own = parse_saved(saved)
     if own is None:
         return RolloutPatch(Change.KEPT, drop, f"deployment {name}: annotation {SAVED_STRATEGY} holds no strategy "

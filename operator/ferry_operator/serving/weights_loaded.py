@@ -38,6 +38,7 @@ class PodFacts:
     created: datetime | None = None
     uid: str = ""
     group: str = ""  # the serving group it belongs to (group_of); a Deployment's pod is a group of its own
+    ready_seconds: float | None = None  # created -> Ready, once Ready
     ready: bool = False  # its Ready condition is True
 
 
@@ -82,7 +83,20 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         node=(body.get("spec") or {}).get("nodeName") or "", awaiting_volumes=_awaiting_volumes(status),
         created=_time(meta.get("creationTimestamp")), group=group_of(body, workload_of(body)),
         ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []),
+        ready_seconds=_ready_seconds(meta, status),
     )
+
+
+def _ready_seconds(meta: Mapping[str, Any], status: Mapping[str, Any]) -> float | None:
+    """Created -> Ready, for a Ready pod (the kubelet's Ready condition)."""
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "True":
+        return None
+    try:
+        created, at = _time(meta.get("creationTimestamp")), _time(ready.get("lastTransitionTime"))
+    except ValueError:
+        return None
+    return (at - created).total_seconds() if created and at else None
 
 
 def _awaiting_volumes(status: Mapping[str, Any]) -> bool:

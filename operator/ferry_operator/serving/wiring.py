@@ -25,6 +25,8 @@ from .loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOL
                      fitted_resources, health_probe, loader_container, local_volume, token_volume, unwired_gates,
                      wired_gates)
 from ..steps import pre_cut, s3_store_env
+from .compiled import HARVEST_CONTAINER, harvest_current, loader_args, plan_compiled
+from .compiled import wire as wire_compiled
 from .shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
                      ServingError, last_flag, recognise)
 
@@ -66,6 +68,7 @@ class WorkloadFacts:
     # Its own tolerations, nodeSelector and required node affinity: where its pods, and so its fill Jobs, may go.
     placement: Placement = field(default_factory=Placement)
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)  # container name -> its resources
+    images: dict[str, str] = field(default_factory=dict)  # container name -> image
     # A Deployment's rollout: spec.strategy, the strategy Ferry saved (serving/rollout.py; the raw annotation),
     # its pods not of the current template (status.replicas - updatedReplicas), and its available pods.
     strategy: dict[str, Any] | None = None
@@ -128,6 +131,7 @@ def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> W
                              .get("preferredDuringSchedulingIgnoredDuringExecution") or []),
         placement=placement_of(pod),
         resources={c["name"]: dict(c.get("resources") or {}) for c in containers},
+        images={c["name"]: str(c.get("image") or "") for c in containers},
         **{"rolled_out": False, **workload},
     )
 
@@ -145,6 +149,7 @@ def deployment_facts(body: Mapping[str, Any]) -> WorkloadFacts:
     saved = (meta.get("annotations") or {}).get(SAVED_STRATEGY)
     return template_facts(meta.get("name", ""), spec.get("template") or {}, rolled_out=rolled_out, replicas=want,
                           groups=want, strategy=spec.get("strategy"), saved_strategy=saved,
+                          resource_version=meta.get("resourceVersion", ""),
                           old_pods=max(0, (status.get("replicas") or 0) - (status.get("updatedReplicas") or 0)),
                           available=status.get("availableReplicas") or 0)
 
@@ -439,6 +444,11 @@ def template_patch(
     if init is not None and local:
         init["args"] += ["--copy-to", LOCAL_PATH]
         init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
+    compiled = plan_compiled(spec, artifact, current.images.get(name, ""), new_command + new_args,
+                             group is not None or was_grouped, init is not None,
+                             health_probe(new_command + new_args)["httpGet"]["port"])
+    if init is not None and compiled.on:
+        init["args"] += loader_args(compiled)
     if init is not None and group is not None:
         init["args"] += group.loader_args()
         init["env"].append(group.env())
@@ -451,6 +461,8 @@ def template_patch(
     have = current.init_containers.get(LOADER_CONTAINER)
     loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
                       and probe_current) if init else (have is None and GATE not in current.readiness_gates)
+    loader_current = loader_current and harvest_current(compiled, current.init_containers.get(HARVEST_CONTAINER),
+                                                         init["image"] if init else "")
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = (not current.weights_volume if mounted is None
                       else (current.weights_volume == "csi") == ("csi" in mounted[0]))
@@ -491,6 +503,7 @@ def template_patch(
         pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]
         pod["readinessGates"] = unwired_gates(current.readiness_gates)
         pod.setdefault("volumes", []).append({"name": TOKEN_VOLUME, "$patch": "delete"})
+    wire_compiled(compiled, pod, c, init, HARVEST_CONTAINER in current.init_containers, VOLUME_NAME)
     annotations: dict[str, Any] = {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}
     if group is not None:
         annotations[GROUP_ANNOTATION] = str(group.size)

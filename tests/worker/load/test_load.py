@@ -214,3 +214,27 @@ def test_a_copy_is_checked_against_block_digests_before_it_is_published(tmp_path
     with pytest.raises(IntegrityError, match=f"f: block {last} "):
         read_files(tmp_path, [entry], options, copy_to=tmp_path / "bad")
     assert not (tmp_path / "bad" / "f").exists() and not list((tmp_path / "bad").iterdir())
+
+
+def test_the_loader_restores_compiled_state_after_the_weights_and_says_how_it_went(artifact: Path, tmp_path: Path):
+    """`ferry load --compiled-store`: the outcome joins the Loaded message; a refused state never fails the
+    load (the pod then compiles, as without Ferry)."""
+    from ferry_worker.compiled.state import device_kind, harvest
+
+    cache = tmp_path / "cache" / "torch_compile_cache" / "k" / "rank_0_0"
+    cache.mkdir(parents=True)
+    (cache / "graph.py").write_text("def f(): pass\n")
+    store, key = tmp_path / "store", "0" * 32
+    assert harvest(tmp_path / "cache", store, key, device_kind()).state == "published"
+    for expected in ("restored", "refused"):
+        dest = tmp_path / f"dest-{expected}"
+        dest.mkdir()
+        recorder = Recorder()
+        load(LoadRequest(str(artifact), ranks=[0], compiled=(store, key, dest)), recorder)
+        loaded, reason, message = recorder.reports[-1]
+        assert loaded and reason == "Loaded" and f"compiled state {expected}" in message, message
+        assert (dest / "torch_compile_cache/k/rank_0_0/graph.py").exists() == (expected == "restored")
+        (next(store.glob(f"{key}/*")) / "state.tar").write_bytes(b"not a tar")
+    with pytest.raises(SystemExit) as exit_:  # the three go together
+        main(["load", "--artifact", str(artifact), "--no-report", "--compiled-key", key])
+    assert exit_.value.code == 2

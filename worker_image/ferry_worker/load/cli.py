@@ -45,9 +45,23 @@ def add_load_commands(subparsers: argparse._SubParsersAction) -> None:
                       help="threads reading file segments, over all files (default 16)")
     load.add_argument("--chunk-size", type=parse_size, default=8 << 20, metavar="SIZE",
                       help="bytes per read (default 8Mi)")
+    load.add_argument("--compiled-store", type=Path, metavar="DIR",
+                      help="after the weights, restore vLLM's compiled state STORE/KEY/<device kind> (verified in "
+                           "full, else nothing) into --compiled-to; its outcome joins the pod condition's message")
+    load.add_argument("--compiled-key", metavar="KEY", help="with --compiled-store: this pod's configuration")
+    load.add_argument("--compiled-to", type=Path, metavar="DIR", help="with --compiled-store: VLLM_CACHE_ROOT")
     load.add_argument("--no-report", action="store_true",
                       help="do not set the pod condition (the default outside a pod)")
     load.set_defaults(run=_load, load_parser=load)
+
+
+def _compiled(args: argparse.Namespace) -> tuple[Path, str, Path] | None:
+    given = [args.compiled_store, args.compiled_key, args.compiled_to]
+    if not any(given):
+        return None
+    if not all(given):
+        args.load_parser.error("--compiled-store, --compiled-key and --compiled-to go together")
+    return args.compiled_store, args.compiled_key, args.compiled_to
 
 
 def _ranks(text: str) -> list[int]:
@@ -90,7 +104,8 @@ def _load(args: argparse.Namespace) -> int:
             raise
         request = LoadRequest(artifact=args.artifact, ranks=args.ranks, group=group, verify=args.verify,
                               expected_digest=args.expected_digest, copy_to=args.copy_to,
-                              options=ReadOptions(readers=args.readers, chunk_size=args.chunk_size))
+                              options=ReadOptions(readers=args.readers, chunk_size=args.chunk_size),
+                              compiled=_compiled(args))
         result = load(request, reporter)
     except (IntegrityError, SelectionError) as e:
         # The artifact (or the ranks or group position asked for) is wrong: loading again fails the same way.

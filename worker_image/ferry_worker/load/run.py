@@ -47,6 +47,8 @@ class LoadRequest:
     expected_digest: str | None = None
     copy_to: Path | None = None
     options: ReadOptions = ReadOptions()
+    # (store, key, VLLM_CACHE_ROOT): vLLM's compiled state restored after the weights (compiled/state.py).
+    compiled: tuple[Path, str, Path] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,24 @@ def load(request: LoadRequest, reporter: Reporter) -> LoadResult:
     except Exception as e:
         report_failure(reporter, e)
         raise
-    reporter.report(True, reasons.LOADED, result.describe())
+    message = result.describe()
+    if request.compiled is not None:
+        message += "; " + _restore_compiled(*request.compiled)
+    reporter.report(True, reasons.LOADED, message)
     return result
+
+
+def _restore_compiled(store: Path, key: str, dest: Path) -> str:
+    """The compiled state's outcome, in words; never a failed load (without it vLLM compiles, as before)."""
+    from ..compiled.state import device_kind, restore
+
+    try:
+        outcome = restore(store, key, device_kind(), dest)
+    except Exception as e:  # noqa: BLE001 - the weights are loaded; the pod starts cold
+        log.warning("compiled state not restored: %s", e)
+        return f"compiled state refused: {type(e).__name__}: {e}"
+    log.info("%s", outcome.describe())
+    return outcome.describe()
 
 
 def report_failure(reporter: Reporter, error: Exception) -> None:

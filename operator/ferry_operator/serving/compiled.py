@@ -1,0 +1,176 @@
+"""serving.compiledState: the pod template pieces that keep vLLM's compiled state and hand it on. Pure.
+
+With `mode: AfterFirstReady`, a wired pod whose weights come from a claim gets:
+
+- `VLLM_CACHE_ROOT=/ferry/compiled` on the vLLM container, an emptyDir: where vLLM writes (and looks for)
+  its Dynamo/Inductor/Triton caches;
+- the loader (`ferry load --compiled-store ... --compiled-key KEY --compiled-to /ferry/compiled`) restores
+  `<claim>/<subPath>/<uid>/compiled/KEY/<device kind>` there after the weights, verified in full, else
+  nothing (it mounts that directory read-only);
+- a native sidecar `ferry-compiled-harvest` (the worker image) that waits for vLLM's /health and then
+  publishes the cache root under the same name, once per key and device kind (it alone mounts the store
+  read-write; the vLLM container never does).
+
+KEY hashes what the pod's compile depends on that Ferry can see: the weights' manifest digest, the vLLM
+container's image, its wired command line (TP, PP and every flag in it). The device kind (GPU models,
+else the CPU's ISA flags) is the pod's own, read on its node. vLLM's own cache key (its env, config, code
+and compiler) still decides whether it uses what it finds: a stale entry is inert, never wrong.
+
+The store lives under the ModelWeights' uid on its own claim: only this object's pods mount it, and a
+state is never shared across objects, namespaces or images (docs/security.md).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..api.types import Artifact, CompiledStateMode, ModelWeightsSpec
+
+ENV = "VLLM_CACHE_ROOT"
+CACHE_VOLUME, CACHE_PATH = "ferry-compiled", "/ferry/compiled"
+STORE_VOLUME, STORE_PATH = "ferry-compiled-store", "/ferry/compiled-store"
+STORE_DIR = "compiled"  # beside the object's artifacts: <subPath>/<uid>/compiled
+HARVEST_CONTAINER = "ferry-compiled-harvest"
+# vLLM compiles nothing with these (vLLM 0.32: --enforce-eager; -O0 is compilation mode NONE).
+EAGER_FLAGS = ("--enforce-eager", "--enforce_eager", "-O0")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The compiled-state wiring of one pod template: `key` when it applies, else `reason` says why not."""
+
+    key: str = ""
+    reason: str = ""
+    claim: str = ""
+    sub_path: str = ""
+    port: int = 8000
+    inputs: tuple[tuple[str, str], ...] = ()  # what the key hashes, by name, for the status to name a change
+
+    @property
+    def on(self) -> bool:
+        return bool(self.key)
+
+
+def store_of(artifact_uri: str) -> tuple[str, str] | None:
+    """(claim, the object's own directory on it) for a claim artifact `pvc://CLAIM/<subPath>/<uid>/<digest>/
+    artifact`; None otherwise."""
+    if not artifact_uri.startswith("pvc://"):
+        return None
+    claim, _, path = artifact_uri.removeprefix("pvc://").partition("/")
+    parts = path.split("/")
+    if len(parts) < 3 or parts[-1] != "artifact" or not all(parts):
+        return None
+    return claim, "/".join(parts[:-2])
+
+
+def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], grouped: bool,
+                  gated: bool, port: int) -> Compiled:
+    """Whether the template keeps and restores compiled state, and under which key."""
+    setting = spec.serving.compiled_state if spec.serving else None
+    if setting is None or setting.mode == CompiledStateMode.OFF.value:
+        return Compiled(reason="serving.compiledState.mode is Off: vLLM compiles in every pod")
+    eager = next((w for w in words for f in EAGER_FLAGS if w == f or w.startswith(f + "=")), None)
+    if eager is not None:
+        return Compiled(reason=f"the vLLM command line has {eager}: vLLM compiles nothing, so nothing is kept or "
+                               f"restored")
+    if not gated:
+        return Compiled(reason="serving.compiledState needs serving.readinessGate: the loader restores it")
+    if grouped:
+        return Compiled(reason="serving.compiledState is not kept for multi-node serving groups yet")
+    store = store_of(artifact.uri)
+    if store is None:
+        return Compiled(reason=f"serving.compiledState needs an artifact on a claim (storage.pvc); "
+                               f"{artifact.uri.split('://')[0]}:// artifacts have none")
+    seen = json.dumps([artifact.manifest_digest or artifact.uri, image, words], separators=(",", ":"))
+    key = hashlib.sha256(seen.encode()).hexdigest()[:32]
+    command = hashlib.sha256(json.dumps(words).encode()).hexdigest()[:12]
+    inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command))
+    return Compiled(key=key, claim=store[0], sub_path=store[1], port=port, inputs=inputs)
+
+
+def changed(before: dict[str, str], after: Compiled) -> str:
+    """Which key inputs differ from the ones recorded before, in words ("" if none or none recorded)."""
+    names = [name for name, value in after.inputs if name in before and before[name] != value]
+    return ", ".join(names)
+
+
+def loader_args(compiled: Compiled) -> list[str]:
+    return ["--compiled-store", f"{STORE_PATH}/{STORE_DIR}", "--compiled-key", compiled.key,
+            "--compiled-to", CACHE_PATH]
+
+
+def harvest_container(compiled: Compiled, image: str, pull_policy: str | None, security: dict[str, Any],
+                      store: str = STORE_VOLUME) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": HARVEST_CONTAINER, "image": image, "restartPolicy": "Always",  # a native sidecar
+        "command": ["ferry"],
+        "args": ["compiled-harvest", "--cache-root", CACHE_PATH, "--store", f"{STORE_PATH}/{STORE_DIR}",
+                 "--key", compiled.key, "--health-url", f"http://127.0.0.1:{compiled.port}/health"],
+        "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH, "readOnly": True},
+                         {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path}],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": security,
+    }
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    return container
+
+
+def _store_volume(compiled: Compiled, pod: dict[str, Any], weights_volume: str) -> str:
+    """The volume the store is mounted from. A pod may not list one claim twice (the kubelet waits for the
+    second volume for ever), so where the weights are that claim already, its volume serves both: it is
+    then writable, and every mount of the weights stays read-only (mount-level readOnly)."""
+    for v in pod.get("volumes") or []:
+        claim = v.get("persistentVolumeClaim") or {}
+        if v.get("name") == weights_volume and claim.get("claimName") == compiled.claim:
+            claim["readOnly"] = False
+            return weights_volume
+    pod.setdefault("volumes", []).append({"name": STORE_VOLUME,
+                                          "persistentVolumeClaim": {"claimName": compiled.claim}})
+    return STORE_VOLUME
+
+
+def wire(compiled: Compiled, pod: dict[str, Any], c: dict[str, Any], init: dict[str, Any] | None,
+         was_on: bool, weights_volume: str) -> None:
+    """Add the pieces (compiled.on) or delete those an earlier wiring added (was_on) in the template patch."""
+    if compiled.on and init is not None:  # its args carry loader_args(compiled) already (they decide current)
+        store = _store_volume(compiled, pod, weights_volume)
+        init["volumeMounts"] += [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH},
+                                 {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path,
+                                  "readOnly": True}]
+        pod["initContainers"] = [init, harvest_container(compiled, init["image"], init.get("imagePullPolicy"),
+                                                         init["securityContext"], store)]
+        pod.setdefault("volumes", []).append({"name": CACHE_VOLUME, "emptyDir": {}})
+        c.setdefault("env", []).append({"name": ENV, "value": CACHE_PATH})
+        c.setdefault("volumeMounts", []).append({"name": CACHE_VOLUME, "mountPath": CACHE_PATH})
+    elif was_on:
+        if init is not None:  # mounts merge by mountPath: the loader's of the volumes that go, go too
+            init["volumeMounts"] += [{"mountPath": CACHE_PATH, "$patch": "delete"},
+                                     {"mountPath": STORE_PATH, "$patch": "delete"}]
+        pod.setdefault("initContainers", []).append({"name": HARVEST_CONTAINER, "$patch": "delete"})
+        pod.setdefault("volumes", []).extend([{"name": CACHE_VOLUME, "$patch": "delete"},
+                                              {"name": STORE_VOLUME, "$patch": "delete"}])
+        c.setdefault("env", []).append({"name": ENV, "$patch": "delete"})
+        c.setdefault("volumeMounts", []).append({"mountPath": CACHE_PATH, "$patch": "delete"})
+
+
+def harvest_current(compiled: Compiled, have: dict[str, Any] | None, image: str) -> bool:
+    """Whether the template's sidecar is what `compiled` wants (absent when off)."""
+    if not compiled.on:
+        return have is None
+    return have is not None and have.get("image") == image and have.get("args") == harvest_container(
+        compiled, image, None, {})["args"]
+
+
+# What the loader appends to its pod condition's message (compiled/state.py Outcome.describe).
+_OUTCOME = re.compile(r"compiled state (restored|absent|refused|published|present): ([^;]{0,600})")
+
+
+def pod_outcome(message: str) -> tuple[str, str] | None:
+    """(state, reason) a loader reported for compiled state (untrusted words: shown, never acted on)."""
+    found = _OUTCOME.search(message or "")
+    return (found.group(1), found.group(2)) if found else None
+

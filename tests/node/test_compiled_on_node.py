@@ -1,0 +1,138 @@
+"""serving.compiledState on the real node: the first wired pod's compile caches are kept by Ferry's harvest
+sidecar once it serves, and the next pod starts with them restored and verified by its loader; a corrupt
+state is refused (the pod compiles; the next harvest replaces it); a changed command line makes a new key
+and the status names what changed; another namespace cannot mount the store.
+
+Shares the module-scoped chart operator, S3 server and checkpoint of the node lane (tests/node/conftest.py)
+and one ModelWeights for every step. The serving process is a busybox stand-in for vLLM, as in
+test_serving_failures_on_node.py: it "compiles" (writes files under $VLLM_CACHE_ROOT) when it finds none
+and says WARM with what it found otherwise, so what vLLM would see is asserted, at the cost of seconds per
+pod instead of minutes. vLLM's own use of a restored cache is measured by bench/compile_cache_node.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster_support import wait_for
+from node_support import NAMESPACE, claim_dir, condition, mw_status, unique
+from test_serving_failures_on_node import deployment, wired_modelweights
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node]
+
+COMPILING = """#!/bin/sh
+root="$VLLM_CACHE_ROOT/torch_compile_cache/standin/rank_0_0"
+if [ -f "$root/graph.py" ]; then
+  echo "WARM $(cat "$root/graph.py")"
+else
+  echo "COLD"
+  mkdir -p "$root/inductor"
+  echo "compiled-by-$HOSTNAME" > "$root/graph.py"
+  head -c 200000 /dev/urandom > "$root/inductor/kernel.so"
+fi
+mkdir -p /tmp/www && echo ok > /tmp/www/health
+exec httpd -f -p 8000 -h /tmp/www
+"""
+
+
+def current_pod(kube, name: str) -> dict:
+    """The Deployment's one pod once it is the only one, wired by Ferry, and Ready."""
+    def one():
+        pods = kube.get_json("pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]
+        ready = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+                 and (p["metadata"].get("annotations") or {}).get("ferry.dev/modelweights") == name
+                 and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+        return ready[0] if len(ready) == 1 and len(pods) == 1 else None
+    return wait_for(one, f"one wired, Ready pod of {name}", 240)
+
+
+def logs(kube, pod: dict, container: str) -> str:
+    return kube.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, "-c", container).stdout
+
+
+def loader_message(pod: dict) -> str:
+    return next(c.get("message", "") for c in pod["status"]["conditions"] if c["type"] == "ferry.dev/weights-loaded")
+
+
+def harvested(kube, pod: dict) -> str:
+    return wait_for(lambda: next((line for line in logs(kube, pod, "ferry-compiled-harvest").splitlines()
+                                  if "compiled state" in line), None), "the harvest sidecar's outcome", 120)
+
+
+def restart(kube, name: str) -> dict:
+    before = current_pod(kube, name)["metadata"]["name"]
+    kube.kubectl("rollout", "restart", f"deployment/{name}", "-n", NAMESPACE)
+    return wait_for(lambda: (lambda p: p if p["metadata"]["name"] != before else None)(current_pod(kube, name)),
+                    f"a new pod of {name}", 240)
+
+
+def status_message(kube, name: str, words: str) -> dict:
+    def found():
+        c = mw_status(kube, NAMESPACE, name).get("compiledState") or {}
+        return c if words in c.get("message", "") else None
+    return wait_for(found, f"status.compiledState saying {words!r}", 120)
+
+
+def test_compiled_state_is_kept_restored_refused_when_corrupt_and_rekeyed(node, chart_operator, node_s3,
+                                                                          checkpoint):
+    name = unique("compiled")
+    deployment(node, name, script=COMPILING)
+    wired_modelweights(node, node_s3, checkpoint, name, compiledState={"mode": "AfterFirstReady"})
+    first = current_pod(node, name)
+    assert logs(node, first, "vllm").startswith("COLD")
+    assert "compiled state absent" in loader_message(first)
+    assert "compiled state published" in harvested(node, first)
+    vllm = next(c for c in first["spec"]["containers"] if c["name"] == "vllm")
+    assert {"name": "VLLM_CACHE_ROOT", "value": "/ferry/compiled"} in vllm["env"]
+    assert "ferry-compiled-store" not in [m["name"] for m in vllm["volumeMounts"]]  # vLLM never writes the store
+
+    warm = restart(node, name)
+    assert logs(node, warm, "vllm").strip() == f"WARM compiled-by-{first['metadata']['name']}"
+    assert "compiled state restored" in loader_message(warm)
+    status = wait_for(lambda: (mw_status(node, NAMESPACE, name).get("compiledState") or {}).get(
+        "restoredReplicas") == 1 and mw_status(node, NAMESPACE, name)["compiledState"], "restoredReplicas 1", 120)
+    key = status["key"]
+    assert "present" in harvested(node, warm)  # published once
+
+    # One flipped byte in the stored state: refused, the pod compiles, its harvest replaces the entry.
+    uid = node.get_json("modelweights", name, "-n", NAMESPACE)["metadata"]["uid"]
+    (state,) = (claim_dir(node, f"{name}-weights") / name / uid / "compiled" / key).glob("*/state.tar")
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    corrupt = restart(node, name)
+    assert logs(node, corrupt, "vllm").startswith("COLD")
+    assert "failed verification" in loader_message(corrupt)
+    status_message(node, name, "failed verification")
+    assert "compiled state published" in harvested(node, corrupt)  # the damaged entry replaced
+
+    # The user's command line changes: a new key, and the status says what changed.
+    node.kubectl("patch", "deployment", name, "-n", NAMESPACE, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--seed=1"}]))
+    status = status_message(node, name, "command line changed")
+    assert status["key"] != key
+    rekeyed = wait_for(lambda: (lambda p: p if "--seed=1" in next(
+        c for c in p["spec"]["containers"] if c["name"] == "vllm")["args"] and "compiled state" in
+        loader_message(p) else None)(current_pod(node, name)), "the re-keyed pod", 240)
+    assert logs(node, rekeyed, "vllm").startswith("COLD")
+    assert "compiled state absent" in loader_message(rekeyed)
+    wait_for(lambda: condition(mw_status(node, NAMESPACE, name), "Ready").get("status") == "True", "Ready", 120)
+
+    # The store is a directory of the owner's claim: a pod in another namespace cannot name that claim.
+    other = unique("other-ns")
+    claim = f"{name}-weights"
+    node.kubectl("create", "namespace", other)
+    try:
+        node.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "reader", "namespace": other},
+                    "spec": {"containers": [{"name": "c", "image": "busybox", "command": ["true"]}],
+                             "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": claim}}]}})
+
+        def refused():
+            pod = node.get_json("pod", "reader", "-n", other)
+            scheduled = next((c for c in pod["status"].get("conditions", []) if c["type"] == "PodScheduled"), {})
+            return scheduled if scheduled.get("status") == "False" else None
+        found = wait_for(refused, "the other namespace's pod refused", 60)
+        assert "not found" in found.get("message", ""), found
+    finally:
+        node.kubectl("delete", "namespace", other, "--wait=false")

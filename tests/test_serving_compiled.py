@@ -1,0 +1,213 @@
+"""serving.compiledState on the operator's side, without a cluster: the pod template pieces (vLLM's cache
+root, the loader's restore, the harvest sidecar), their removal, the key and what changes it, and the
+status. Shares nothing: hand-made facts and the planner (tests/worker/test_compiled_state.py covers the
+worker's harvest and restore; tests/node/test_compiled_on_node.py runs both in pods on the real node)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from ferry_operator.api.types import Artifact
+from ferry_operator.api.validation import parse
+from ferry_operator.planner import ArtifactFacts, Observed, StepPhase, StepState, plan
+from ferry_operator.serving.compiled import (CACHE_PATH, HARVEST_CONTAINER, STORE_VOLUME, plan_compiled,
+                                             pod_outcome, store_of)
+from ferry_operator.serving.loader import LOADER_CONTAINER, LoaderSettings
+from ferry_operator.serving.weights_loaded import PodFacts
+from ferry_operator.serving.wiring import WorkloadFacts, template_patch
+from ferry_operator.steps import prepare_steps
+from spec_cases import with_
+
+URI = "pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact"
+ARTIFACT = Artifact(uri=URI, format="sharded_state", tensor_parallel_size=4, manifest_digest="sha256:" + "1" * 64)
+LOADER = LoaderSettings(image="ferry.local/ferry:1")
+NAME = "llama-70b-vllm"
+
+
+def spec(mode="AfterFirstReady", **serving):
+    obj = with_("serving.compiledState", {"mode": mode})
+    obj["spec"]["serving"].update(serving)
+    return parse(obj).spec
+
+
+def deployment(args=("--model", "m"), image="vllm/vllm-openai:v0.32.0", **kw):
+    return WorkloadFacts(name=NAME, containers={"vllm": list(args)}, template_annotations={}, rolled_out=True,
+                         images={"vllm": image}, **kw)
+
+
+def pod_spec(patch):
+    return patch["spec"]["template"]["spec"]
+
+
+def test_the_template_keeps_and_restores_compiled_state():
+    patch = template_patch(spec(), "llama", ARTIFACT, "vllm", deployment(), LOADER)
+    pod = pod_spec(patch)
+    loader, harvest = pod["initContainers"]
+    assert loader["name"] == LOADER_CONTAINER and harvest["name"] == HARVEST_CONTAINER
+    key = loader["args"][loader["args"].index("--compiled-key") + 1]
+    assert loader["args"][-6:] == ["--compiled-store", "/ferry/compiled-store/compiled", "--compiled-key", key,
+                                   "--compiled-to", CACHE_PATH]
+    assert harvest["restartPolicy"] == "Always" and harvest["image"] == LOADER.image
+    assert harvest["args"][harvest["args"].index("--health-url") + 1] == "http://127.0.0.1:8000/health"
+    # The store is this object's own directory on its claim; only the sidecar may write it. The claim is the
+    # weights' volume already (a pod may not list one claim twice): it turns writable, every other mount of it
+    # stays read-only.
+    (claim,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claim["name"] == "ferry-weights" and claim["persistentVolumeClaim"] == {"claimName": "llama-weights",
+                                                                                  "readOnly": False}
+    store = [m for m in harvest["volumeMounts"] if m["mountPath"] == "/ferry/compiled-store"]
+    assert store == [{"name": "ferry-weights", "mountPath": "/ferry/compiled-store", "subPath": "llama/0b7e"}]
+    assert all(m.get("readOnly") for m in loader["volumeMounts"] if m["name"] == "ferry-weights")
+    (vllm,) = pod["containers"]
+    assert {"name": "VLLM_CACHE_ROOT", "value": CACHE_PATH} in vllm["env"]
+    assert [m for m in vllm["volumeMounts"] if m["name"] == "ferry-weights"] == [
+        {"name": "ferry-weights", "mountPath": "/ferry/weights", "readOnly": True, "subPath": "llama/0b7e/8bcdf0a3ee78/artifact"}]
+
+
+def test_under_the_node_cache_the_store_is_a_volume_of_its_own():
+    patch = template_patch(spec(nodeCache={"enabled": True}), "llama", ARTIFACT, "vllm", deployment(), LOADER)
+    pod = pod_spec(patch)
+    (store,) = [v for v in pod["volumes"] if v["name"] == STORE_VOLUME]
+    assert store == {"name": STORE_VOLUME, "persistentVolumeClaim": {"claimName": "llama-weights"}}
+    assert [v for v in pod["volumes"] if v["name"] == "ferry-weights"][0]["csi"]["readOnly"] is True
+
+
+def wired(patch, base):
+    """The Deployment as the patch leaves it (the fields template_patch reads)."""
+    pod = pod_spec(patch)
+    inits = {c["name"]: {"image": c.get("image"), "args": c.get("args", [])} for c in pod.get("initContainers", [])
+             if "$patch" not in c}
+    (vllm,) = pod["containers"]
+    return replace(base, containers={"vllm": vllm["args"]}, init_containers=inits,
+                   readiness_gates=[g["conditionType"] for g in pod.get("readinessGates", [])],
+                   probed=frozenset({"vllm"}),
+                   template_annotations=patch["spec"]["template"]["metadata"]["annotations"],
+                   weights_volume="persistentVolumeClaim")
+
+
+def test_wiring_is_idempotent_and_every_key_input_changes_the_key():
+    base = deployment()
+    first = template_patch(spec(), "llama", ARTIFACT, "vllm", base, LOADER)
+    current = wired(first, base)
+    assert template_patch(spec(), "llama", ARTIFACT, "vllm", current, LOADER) is None
+
+    def key(patch):
+        args = pod_spec(patch)["initContainers"][0]["args"]
+        return args[args.index("--compiled-key") + 1]
+    other_image = template_patch(spec(), "llama", ARTIFACT, "vllm", replace(current, images={"vllm": "vllm:2"}),
+                                 LOADER)
+    other_flag = template_patch(spec(), "llama", ARTIFACT, "vllm",
+                                replace(current, containers={"vllm": current.containers["vllm"] + ["--seed", "1"]}),
+                                LOADER)
+    other_weights = template_patch(spec(), "llama", ARTIFACT.model_copy(update={"manifest_digest": "sha256:" + "2" * 64}),
+                                   "vllm", current, LOADER)
+    keys = {key(first), key(other_image), key(other_flag), key(other_weights)}
+    assert len(keys) == 4
+
+
+def test_turned_off_every_piece_goes():
+    base = deployment()
+    current = wired(template_patch(spec(), "llama", ARTIFACT, "vllm", base, LOADER), base)
+    patch = template_patch(spec("Off"), "llama", ARTIFACT, "vllm", current, LOADER)
+    pod = pod_spec(patch)
+    assert {"name": HARVEST_CONTAINER, "$patch": "delete"} in pod["initContainers"]
+    assert "--compiled-key" not in pod["initContainers"][0]["args"]
+    assert {"name": STORE_VOLUME, "$patch": "delete"} in pod["volumes"]
+    (vllm,) = pod["containers"]
+    assert {"name": "VLLM_CACHE_ROOT", "$patch": "delete"} in vllm["env"]
+    assert {"mountPath": CACHE_PATH, "$patch": "delete"} in vllm["volumeMounts"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "m", "--enforce-eager"], "--enforce-eager"),
+    (["--model", "m", "-O0"], "-O0"),
+])
+def test_a_pod_that_compiles_nothing_gets_nothing_and_the_reason(args, words):
+    patch = template_patch(spec(), "llama", ARTIFACT, "vllm", deployment(args), LOADER)
+    pod = pod_spec(patch)
+    assert [c["name"] for c in pod["initContainers"]] == [LOADER_CONTAINER]
+    compiled = plan_compiled(spec(), ARTIFACT, "img", args, False, True, 8000)
+    assert not compiled.on and words in compiled.reason
+
+
+def test_where_it_does_not_apply_says_why():
+    assert "Off" in plan_compiled(spec("Off"), ARTIFACT, "i", [], False, True, 8000).reason
+    assert "readinessGate" in plan_compiled(spec(), ARTIFACT, "i", [], False, False, 8000).reason
+    assert "multi-node" in plan_compiled(spec(), ARTIFACT, "i", [], True, True, 8000).reason
+    s3 = ARTIFACT.model_copy(update={"uri": "s3://bucket/llama/x"})
+    assert "claim" in plan_compiled(spec(), s3, "i", [], False, True, 8000).reason
+    assert store_of(URI) == ("llama-weights", "llama/0b7e")
+    for odd in ("pvc://c", "pvc://c/artifact", "pvc://c//x/artifact", "pvc://c/a/b/staging", "file:///a/b/artifact"):
+        assert store_of(odd) is None
+
+
+def test_the_loaders_words_are_parsed_and_nothing_else():
+    assert pod_outcome("verified (sha256): 3 files; compiled state restored: 12 files, 9 bytes from k/d, "
+                       "verified") == ("restored", "12 files, 9 bytes from k/d, verified")
+    assert pod_outcome("verified (sha256): 3 files") is None
+    assert pod_outcome("compiled state exploded: x") is None
+
+
+# --- the status ----------------------------------------------------------------------------------------------
+
+FACTS = ArtifactFacts(uri=URI, total_bytes=3 << 30, manifest_digest=ARTIFACT.manifest_digest)
+
+
+def status_after(m, current, pods):
+    steps = {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}
+    return plan(m, Observed(steps=steps, artifact=FACTS, workloads={NAME: current}, pods=pods), loader=LOADER)
+
+
+def mw(mode="AfterFirstReady", status=None):
+    obj = with_("serving.compiledState", {"mode": mode})
+    obj["metadata"]["uid"] = "0b7e"
+    if status:
+        obj["status"] = status
+    return parse(obj)
+
+
+def pod(name, message):
+    return PodFacts(name=name, owner="llama", digest=FACTS.manifest_digest, gate="True", reason="Loaded",
+                    message=message, workload=NAME)
+
+
+def test_the_status_counts_warm_pods_and_names_a_key_change():
+    m = mw()
+    p0 = status_after(m, deployment(), [])
+    first = p0.status.compiled_state
+    assert first.key and first.inputs["image"] == "vllm/vllm-openai:v0.32.0"
+    pods = [pod("a", "ok; compiled state restored: 3 files, 10 bytes from x, verified"),
+            pod("b", "ok; compiled state absent: none for this configuration yet")]
+    status = status_after(m, deployment(), pods).status.compiled_state
+    assert status.restored_replicas == 1 and status.message.startswith("pod b: absent")
+    before = json.loads(p0.status.model_dump_json(by_alias=True, exclude_none=True))
+    changed = status_after(mw(status=before), deployment(image="vllm:2"), []).status.compiled_state
+    assert changed.key != first.key and "image changed" in changed.message
+    assert status_after(mw("Off"), deployment(), pods).status.compiled_state is None
+
+
+def test_each_pods_start_is_observed_once_by_its_compiled_outcome():
+    from ferry_operator import metrics
+    from ferry_operator.serving.weights_loaded import pod_facts
+
+    def count(label):
+        return metrics.POD_START_SECONDS.labels(label)._sum.get(), sum(
+            b.get() for b in metrics.POD_START_SECONDS.labels(label)._buckets)
+    body = {"metadata": {"name": "p", "uid": "u-1", "creationTimestamp": "2026-12-04T10:00:00Z",
+                         "annotations": {"ferry.dev/modelweights": "llama"}},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-12-04T10:00:52Z"},
+                                      {"type": "ferry.dev/weights-loaded", "status": "True",
+                                       "message": "ok; compiled state restored: 3 files, 9 bytes from k/d, verified"}]}}
+    facts = pod_facts(body)
+    assert facts.ready_seconds == 52.0
+    before = count("restored")
+    metrics.pod_started(facts.uid, facts.ready_seconds, "restored")
+    metrics.pod_started(facts.uid, facts.ready_seconds, "restored")  # the same pod again: not counted
+    after = count("restored")
+    assert after[0] - before[0] == 52.0 and after[1] - before[1] == 1
+    metrics.pod_started("u-2", 80.0, "something a pod wrote")
+    assert count("off")[0] >= 80.0  # an unknown outcome is never a new label
+    not_ready = {**body, "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    assert pod_facts(not_ready).ready_seconds is None

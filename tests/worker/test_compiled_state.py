@@ -1,0 +1,198 @@
+"""Compiled state (worker side): harvest a cache root, restore it verified, and refuse every stored state
+that is not exactly what its manifest says, leaving vLLM's cache root empty. Shares nothing: each test
+makes its own small cache in tmp_path (a real node runs both halves in tests/node/test_compiled_on_node.py)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ferry_worker.compiled.state import (MANIFEST, STATE, Limits, checked_name, device_kind, harvest,
+                                         restore)
+
+KEY, DEVICE = "0123456789abcdef0123456789abcdef", "cpu-00112233445566aa"
+
+
+def cache(root: Path) -> Path:
+    """A cache root shaped like vLLM's (torch_compile_cache/<hash>/rank_0_0/...)."""
+    files = {"torch_compile_cache/8c1e0b9d21/rank_0_0/backbone/computation_graph.py": b"def f(x):\n  return x\n",
+             "torch_compile_cache/8c1e0b9d21/rank_0_0/backbone/cache_key_factors.json": b'{"env": "abc"}',
+             "torch_compile_cache/8c1e0b9d21/rank_0_0/inductor_cache/fx/ab/abcdef": os.urandom(70_000),
+             "modelinfos/llama.json": b"{}"}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def published(tmp_path):
+    src = cache(tmp_path / "cold")
+    store = tmp_path / "store"
+    outcome = harvest(src, store, KEY, DEVICE)
+    assert outcome.state == "published" and outcome.files == 4
+    return src, store
+
+
+def test_a_harvest_restores_byte_for_byte_and_only_once(tmp_path, published):
+    src, store = published
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    outcome = restore(store, KEY, DEVICE, warm)
+    assert outcome.state == "restored", outcome
+    assert tree(warm) == tree(src)
+    assert harvest(src, store, KEY, DEVICE).state == "present"  # the first harvest wins
+    assert sorted(p.name for p in (store / KEY).iterdir()) == [DEVICE]  # no staging left
+
+
+def test_another_key_or_device_finds_nothing_and_says_so(tmp_path, published):
+    _, store = published
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    absent = restore(store, KEY.replace("0", "f"), DEVICE, dest)
+    assert absent.state == "absent" and "vLLM compiles" in absent.reason
+    assert restore(store, KEY, "gpu-00112233445566aa", dest).state == "absent"
+    assert list(dest.iterdir()) == []
+
+
+def test_an_empty_cache_root_is_not_published(tmp_path):
+    (tmp_path / "empty" / "torch_compile_cache").mkdir(parents=True)
+    assert harvest(tmp_path / "empty", tmp_path / "store", KEY, DEVICE).state == "absent"
+    assert not (tmp_path / "store" / KEY / DEVICE).exists()
+
+
+def refused(store: Path, dest: Path) -> str:
+    dest.mkdir(exist_ok=True)
+    outcome = restore(store, KEY, DEVICE, dest)
+    assert outcome.state == "refused", outcome
+    assert list(dest.iterdir()) == [], "nothing may be left for vLLM to load"
+    return outcome.reason
+
+
+def test_one_flipped_byte_fails_verification_and_nothing_is_restored(tmp_path, published):
+    _, store = published
+    state = store / KEY / DEVICE / STATE
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 1  # inside the 70 kB file's content
+    state.write_bytes(bytes(data))
+    assert "sha256 differs" in refused(store, tmp_path / "dest")
+
+
+def test_a_truncated_or_extended_state_is_refused(tmp_path, published):
+    _, store = published
+    state = store / KEY / DEVICE / STATE
+    original = state.read_bytes()
+    state.write_bytes(original + b"\0" * 512)
+    assert "bytes" in refused(store, tmp_path / "a")
+    state.write_bytes(original[:-1024])
+    assert "bytes" in refused(store, tmp_path / "b")
+
+
+def test_a_manifest_for_another_configuration_or_not_one_is_refused(tmp_path, published):
+    _, store = published
+    path = store / KEY / DEVICE / MANIFEST
+    good = json.loads(path.read_text())
+    for bad in ({**good, "key": "f" * 32}, {**good, "device": "cpu-ffff"}, {**good, "sha256": "md5:00"},
+                {**good, "bytes": -1}, {**good, "bytes": True}, {**good, "format": "other/1"}, [1]):
+        path.write_text(json.dumps(bad))
+        refused(store, tmp_path / "dest")
+    path.write_text("[" * 50_000)
+    refused(store, tmp_path / "dest")
+    path.write_bytes(b"x" * (70 << 10))  # over the manifest's cap
+    refused(store, tmp_path / "dest")
+
+
+def test_a_symlinked_store_entry_is_never_followed(tmp_path, published):
+    _, store = published
+    elsewhere = tmp_path / "elsewhere"
+    (store / KEY / DEVICE).rename(elsewhere)
+    (store / KEY / DEVICE).symlink_to(elsewhere)
+    assert "symbolic link" in refused(store, tmp_path / "dest")
+    (store / KEY / DEVICE).unlink()
+    (store / KEY / DEVICE).mkdir()
+    (store / KEY / DEVICE / MANIFEST).symlink_to(elsewhere / MANIFEST)
+    assert "symbolic link" in refused(store, tmp_path / "dest2")
+
+
+def forged(store: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
+    """A state.tar with these members and a manifest that matches it exactly (as its producer could write)."""
+    import hashlib
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    entry = store / KEY / DEVICE
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / STATE).write_bytes(buf.getvalue())
+    (entry / MANIFEST).write_text(json.dumps({"format": "ferry-compiled/1", "key": KEY, "device": DEVICE,
+                                              "sha256": "sha256:" + hashlib.sha256(buf.getvalue()).hexdigest(),
+                                              "bytes": len(buf.getvalue()), "files": len(members)}))
+
+
+def info(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    i = tarfile.TarInfo(name)
+    i.type, i.linkname = kind, link
+    return i
+
+
+@pytest.mark.parametrize("members, words", [
+    ([(info("../escape"), b"x")], ".."),
+    ([(info("/etc/cron.d/x"), b"x")], "absolute"),
+    ([(info("a/./b"), b"x")], "segment"),
+    ([(info("link", tarfile.SYMTYPE, "/etc/passwd"), None)], "neither a file nor a directory"),
+    ([(info("hard", tarfile.LNKTYPE, "a"), None)], "neither a file nor a directory"),
+    ([(info("dev", tarfile.CHRTYPE), None)], "neither a file nor a directory"),
+    ([(info("fifo", tarfile.FIFOTYPE), None)], "neither a file nor a directory"),
+    ([(info("twice"), b"a"), (info("twice"), b"b")], "exists"),
+])
+def test_a_hostile_archive_that_matches_its_manifest_is_still_refused(tmp_path, members, words):
+    store = tmp_path / "store"
+    forged(store, members)
+    reason = refused(store, tmp_path / "dest")
+    assert words in reason.lower() or words in reason, reason
+    assert not (tmp_path / "escape").exists()
+
+
+def test_the_limits_fail_closed(tmp_path, published):
+    _, store = published
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert restore(store, KEY, DEVICE, dest, Limits(files=2)).state == "refused"
+    assert restore(store, KEY, DEVICE, dest, Limits(bytes=1000)).state == "refused"
+    assert list(dest.iterdir()) == []
+    with pytest.raises(Exception, match="more than"):
+        harvest(cache(tmp_path / "big"), tmp_path / "s2", KEY, DEVICE, Limits(files=2))
+
+
+def test_names_and_the_device_kind():
+    assert checked_name(KEY, "key") == KEY
+    for bad in ("", "../x", "A" * 3, "a/b", "x" * 81):
+        with pytest.raises(ValueError):
+            checked_name(bad, "key")
+    kind = device_kind()
+    assert checked_name(kind, "device") == kind and kind.startswith(("cpu-", "gpu-"))
+    assert device_kind() == kind  # stable
+
+
+def test_a_damaged_entry_is_replaced_by_the_next_harvest(tmp_path, published):
+    src, store = published
+    state = store / KEY / DEVICE / STATE
+    data = bytearray(state.read_bytes())
+    data[-3000] ^= 1
+    state.write_bytes(bytes(data))
+    outcome = harvest(src, store, KEY, DEVICE)
+    assert outcome.state == "published" and "replaced a damaged entry" in outcome.reason
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert restore(store, KEY, DEVICE, dest).state == "restored" and tree(dest) == tree(src)
+    assert sorted(p.name for p in (store / KEY).iterdir()) == [DEVICE]
