@@ -173,19 +173,47 @@ def pod(name, message):
                     message=message, workload=NAME)
 
 
+def wired_with(spec_, base):
+    return wired(template_patch(spec_, "llama", ARTIFACT, "vllm", base, LOADER), base)
+
+
 def test_the_status_counts_warm_pods_and_names_a_key_change():
     m = mw()
-    p0 = status_after(m, deployment(), [])
+    unwired = status_after(m, deployment(), []).status.compiled_state
+    assert not unwired.key and "being wired" in unwired.message
+    current = wired_with(m.spec, deployment())
+    p0 = status_after(m, current, [])
     first = p0.status.compiled_state
     assert first.key and first.inputs["image"] == "vllm/vllm-openai:v0.32.0"
+    assert "new key" not in first.message  # turning it on is no change of key
     pods = [pod("a", "ok; compiled state restored: 3 files, 10 bytes from x, verified"),
             pod("b", "ok; compiled state absent: none for this configuration yet")]
-    status = status_after(m, deployment(), pods).status.compiled_state
+    status = status_after(m, current, pods).status.compiled_state
     assert status.restored_replicas == 1 and status.message.startswith("pod b: absent")
     before = json.loads(p0.status.model_dump_json(by_alias=True, exclude_none=True))
-    changed = status_after(mw(status=before), deployment(image="vllm:2"), []).status.compiled_state
+    # The user's new image: until Ferry rewired the template the status stays; then it names the change.
+    moved = replace(current, images={"vllm": "vllm:2"})
+    assert status_after(mw(status=before), moved, []).status.compiled_state.key == first.key
+    rewired = wired_with(m.spec, moved)
+    changed = status_after(mw(status=before), rewired, []).status.compiled_state
     assert changed.key != first.key and "image changed" in changed.message
-    assert status_after(mw("Off"), deployment(), pods).status.compiled_state is None
+    env = replace(rewired, envs={"vllm": [{"name": "VLLM_USE_V1", "value": "1"}]})
+    assert wired_with(m.spec, env).init_containers != rewired.init_containers  # the user's env is in the key
+    assert status_after(mw("Off"), current, pods).status.compiled_state is None
+
+
+def test_a_read_only_many_claim_gets_no_compiled_state():
+    s = parse(with_("storage.pvc.accessModes", ["ReadOnlyMany"], with_("serving.compiledState",
+                                                                      {"mode": "AfterFirstReady"}))).spec
+    compiled = plan_compiled(s, ARTIFACT, "i", [], False, True, 8000)
+    assert not compiled.on and "ReadOnlyMany" in compiled.reason
+
+
+def test_turning_the_node_cache_off_drops_the_store_volume_of_its_own():
+    base = deployment()
+    cached = wired(template_patch(spec(nodeCache={"enabled": True}), "llama", ARTIFACT, "vllm", base, LOADER), base)
+    patch = template_patch(spec(), "llama", ARTIFACT, "vllm", replace(cached, weights_volume="csi"), LOADER)
+    assert {"name": STORE_VOLUME, "$patch": "delete"} in pod_spec(patch)["volumes"]
 
 
 def test_each_pods_start_is_observed_once_by_its_compiled_outcome():

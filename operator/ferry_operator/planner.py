@@ -19,8 +19,8 @@ from .conditions import get_condition, now, phase_of, set_condition
 from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, Template, cache_plan, refusal_notes
 from .placement import NodeFacts
 from .serving.wiring import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
-from .serving.compiled import changed, plan_compiled, pod_outcome
-from .serving.loader import LoaderSettings, health_probe
+from .serving.compiled import changed, compiled_key, plan_compiled, pod_outcome
+from .serving.loader import LOADER_CONTAINER, LoaderSettings, health_probe
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .serving.diagnosis import UNSCHEDULABLE, WAITING_REASONS, PodTrouble
 from .serving.weights_loaded import PodFacts, summarize
@@ -469,9 +469,13 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
     words = current.commands.get(name, []) + current.containers.get(name, [])
     port = health_probe(words)["httpGet"]["port"]
     compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, target.pods_per_group > 1,
-                             gated, port)
+                             gated, port, current.envs.get(name, []))
     if not compiled.on:
         return CompiledStateStatus(message=compiled.reason)
+    before = mw.status.compiled_state if mw.status else None
+    wired = compiled_key(current.init_containers.get(LOADER_CONTAINER, {}).get("args") or [])
+    if wired != compiled.key:  # the template is not (re)wired for this key yet: say so once it is
+        return before or CompiledStateStatus(message="the template is being wired")
     digest = facts.manifest_digest or facts.uri
     names = {t.key for t in targets}
     outcomes = [(p.name, pod_outcome(p.message)) for p in sorted(observed.pods, key=lambda p: p.name)
@@ -482,7 +486,6 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
     if outcomes:
         pod, (state, reason) = next(((p, o) for p, o in outcomes if o[0] != "restored"), outcomes[0])
         message = f"pod {pod}: {state}: {reason}"
-    before = mw.status.compiled_state if mw.status else None
     if before is not None and before.key and before.key != compiled.key:
         what = changed(before.inputs, compiled) or "its configuration"
         message = f"new key: {what} changed, so pods compile afresh until one keeps the new state; {message}"

@@ -191,8 +191,83 @@ def test_a_damaged_entry_is_replaced_by_the_next_harvest(tmp_path, published):
     data[-3000] ^= 1
     state.write_bytes(bytes(data))
     outcome = harvest(src, store, KEY, DEVICE)
-    assert outcome.state == "published" and "replaced a damaged entry" in outcome.reason
+    assert outcome.state == "published" and "replaced the entry there" in outcome.reason
     dest = tmp_path / "dest"
     dest.mkdir()
     assert restore(store, KEY, DEVICE, dest).state == "restored" and tree(dest) == tree(src)
     assert sorted(p.name for p in (store / KEY).iterdir()) == [DEVICE]
+
+
+# --- review findings ------------------------------------------------------------------------------------------
+
+def test_an_extended_header_larger_than_a_path_is_refused_before_it_is_read():
+    """tarfile reads a PAX or GNU long-name header whole into memory: over 64 KiB it is refused."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        store = Path(d) / "store"
+        forged(store, [(info("x" * 70_000), b"x")])  # a PAX path record of 70 kB
+        reason = refused(store, Path(d) / "dest")
+        assert "extended header" in reason, reason
+
+
+def test_a_sparse_member_is_refused(tmp_path):
+    sparse = info("s", tarfile.GNUTYPE_SPARSE)
+    forged(tmp_path / "store", [(sparse, b"x" * 10)])
+    assert refused(tmp_path / "store", tmp_path / "dest")
+
+
+def test_directories_count_toward_the_cap(tmp_path):
+    forged(tmp_path / "store", [(info(f"d{i}", tarfile.DIRTYPE), None) for i in range(50)])
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert restore(tmp_path / "store", KEY, DEVICE, dest, Limits(files=10)).state == "refused"
+    assert list(dest.iterdir()) == []
+
+
+def test_nothing_is_restored_over_a_cache_root_that_holds_something(tmp_path, published):
+    _, store = published
+    dest = tmp_path / "dest"
+    (dest / "torch_compile_cache").mkdir(parents=True)
+    outcome = restore(store, KEY, DEVICE, dest)
+    assert outcome.state == "refused" and "already holds" in outcome.reason
+    assert [p.name for p in dest.iterdir()] == ["torch_compile_cache"]
+
+
+def test_restored_entries_are_open_to_vllm_whatever_its_uid(tmp_path, published):
+    _, store = published
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert restore(store, KEY, DEVICE, dest).state == "restored"
+    for p in dest.rglob("*"):
+        assert p.stat().st_mode & 0o777 == (0o777 if p.is_dir() else 0o666), p
+
+
+def test_a_harvest_never_follows_a_symlink_out_of_the_cache_root(tmp_path):
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "token").write_text("hunter2")
+    root = cache(tmp_path / "cold")
+    (root / "torch_compile_cache" / "escape").symlink_to(secret)  # a directory link
+    (root / "modelinfos" / "token").symlink_to(secret / "token")  # a file link
+    store = tmp_path / "store"
+    assert harvest(root, store, KEY, DEVICE).state == "published"
+    with tarfile.open(store / KEY / DEVICE / STATE) as tar:
+        names = tar.getnames()
+    assert not [n for n in names if "escape" in n or n.endswith("token")], names
+    assert b"hunter2" not in (store / KEY / DEVICE / STATE).read_bytes()
+
+
+def test_a_leftover_staging_directory_or_a_racing_harvest_does_not_fail_it(tmp_path):
+    root, store = cache(tmp_path / "cold"), tmp_path / "store"
+    (store / KEY / f".{DEVICE}.partial-1").mkdir(parents=True)  # another pod's, or a killed one's
+    assert harvest(root, store, KEY, DEVICE).state == "published"
+    assert harvest(root, store, KEY, DEVICE).state == "present"
+
+
+def test_an_entry_without_the_cache_key_vllm_now_uses_is_replaced(tmp_path, published):
+    src, store = published
+    (src / "torch_compile_cache" / "f00dfeed11").mkdir()  # vLLM compiled under another key (a new config)
+    (src / "torch_compile_cache" / "f00dfeed11" / "graph.py").write_text("g")
+    outcome = harvest(src, store, KEY, DEVICE)
+    assert outcome.state == "published" and "f00dfeed11" in outcome.reason
+    assert harvest(src, store, KEY, DEVICE).state == "present"

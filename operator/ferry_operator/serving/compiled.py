@@ -34,6 +34,8 @@ CACHE_VOLUME, CACHE_PATH = "ferry-compiled", "/ferry/compiled"
 STORE_VOLUME, STORE_PATH = "ferry-compiled-store", "/ferry/compiled-store"
 STORE_DIR = "compiled"  # beside the object's artifacts: <subPath>/<uid>/compiled
 HARVEST_CONTAINER = "ferry-compiled-harvest"
+# The vLLM container's env entries Ferry writes itself: not the user's configuration, so not in the key.
+FERRY_ENV = frozenset({ENV, "FERRY_GROUP_INDEX"})
 # vLLM compiles nothing with these (vLLM 0.32: --enforce-eager; -O0 is compilation mode NONE).
 EAGER_FLAGS = ("--enforce-eager", "--enforce_eager", "-O0")
 
@@ -67,8 +69,9 @@ def store_of(artifact_uri: str) -> tuple[str, str] | None:
 
 
 def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], grouped: bool,
-                  gated: bool, port: int) -> Compiled:
-    """Whether the template keeps and restores compiled state, and under which key."""
+                  gated: bool, port: int, env: list[dict[str, Any]] = ()) -> Compiled:
+    """Whether the template keeps and restores compiled state, and under which key. `env`: the vLLM
+    container's env as the user wrote it (vLLM's own cache key hashes some of it; Ferry's entries excluded)."""
     setting = spec.serving.compiled_state if spec.serving else None
     if setting is None or setting.mode == CompiledStateMode.OFF.value:
         return Compiled(reason="serving.compiledState.mode is Off: vLLM compiles in every pod")
@@ -80,14 +83,22 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
         return Compiled(reason="serving.compiledState needs serving.readinessGate: the loader restores it")
     if grouped:
         return Compiled(reason="serving.compiledState is not kept for multi-node serving groups yet")
+    pvc = spec.storage.pvc if spec.storage else None
+    if pvc is not None and pvc.access_modes and set(pvc.access_modes) == {"ReadOnlyMany"}:
+        return Compiled(reason="serving.compiledState needs a claim the harvest can write: storage.pvc.accessModes "
+                               "is ReadOnlyMany")
     store = store_of(artifact.uri)
     if store is None:
         return Compiled(reason=f"serving.compiledState needs an artifact on a claim (storage.pvc); "
                                f"{artifact.uri.split('://')[0]}:// artifacts have none")
-    seen = json.dumps([artifact.manifest_digest or artifact.uri, image, words], separators=(",", ":"))
+    own = [e for e in env if isinstance(e, dict) and e.get("name") not in FERRY_ENV]
+    seen = json.dumps([artifact.manifest_digest or artifact.uri, image, words, own], separators=(",", ":"),
+                      sort_keys=True)
     key = hashlib.sha256(seen.encode()).hexdigest()[:32]
     command = hashlib.sha256(json.dumps(words).encode()).hexdigest()[:12]
-    inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command))
+    environment = hashlib.sha256(json.dumps(own, sort_keys=True).encode()).hexdigest()[:12]
+    inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command),
+              ("env", environment))
     return Compiled(key=key, claim=store[0], sub_path=store[1], port=port, inputs=inputs)
 
 
@@ -127,6 +138,8 @@ def _store_volume(compiled: Compiled, pod: dict[str, Any], weights_volume: str) 
         claim = v.get("persistentVolumeClaim") or {}
         if v.get("name") == weights_volume and claim.get("claimName") == compiled.claim:
             claim["readOnly"] = False
+            # One the node cache's wiring added before goes: the same claim twice never starts.
+            pod["volumes"].append({"name": STORE_VOLUME, "$patch": "delete"})
             return weights_volume
     pod.setdefault("volumes", []).append({"name": STORE_VOLUME,
                                           "persistentVolumeClaim": {"claimName": compiled.claim}})
@@ -174,3 +187,11 @@ def pod_outcome(message: str) -> tuple[str, str] | None:
     found = _OUTCOME.search(message or "")
     return (found.group(1), found.group(2)) if found else None
 
+
+
+def compiled_key(loader_args: list[str]) -> str:
+    """The --compiled-key a wired template's loader carries ("" if none)."""
+    for i, word in enumerate(loader_args[:-1]):
+        if word == "--compiled-key":
+            return loader_args[i + 1]
+    return ""

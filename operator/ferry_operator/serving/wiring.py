@@ -69,6 +69,7 @@ class WorkloadFacts:
     placement: Placement = field(default_factory=Placement)
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)  # container name -> its resources
     images: dict[str, str] = field(default_factory=dict)  # container name -> image
+    envs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # container name -> env
     # A Deployment's rollout: spec.strategy, the strategy Ferry saved (serving/rollout.py; the raw annotation),
     # its pods not of the current template (status.replicas - updatedReplicas), and its available pods.
     strategy: dict[str, Any] | None = None
@@ -132,6 +133,7 @@ def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> W
         placement=placement_of(pod),
         resources={c["name"]: dict(c.get("resources") or {}) for c in containers},
         images={c["name"]: str(c.get("image") or "") for c in containers},
+        envs={c["name"]: list(c.get("env") or []) for c in containers},
         **{"rolled_out": False, **workload},
     )
 
@@ -446,7 +448,7 @@ def template_patch(
         init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
     compiled = plan_compiled(spec, artifact, current.images.get(name, ""), new_command + new_args,
                              group is not None or was_grouped, init is not None,
-                             health_probe(new_command + new_args)["httpGet"]["port"])
+                             health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []))
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
     if init is not None and group is not None:

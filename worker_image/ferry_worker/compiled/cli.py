@@ -49,9 +49,12 @@ def _harvest(args: argparse.Namespace) -> int:
         raise ValueError(f"--health-url {args.health_url!r}: only vLLM in this pod (http://127.0.0.1:PORT/health)")
     while not _healthy(args.health_url):
         time.sleep(args.poll_seconds)
-    outcome = harvest(args.cache_root, args.store, args.key, device_kind())
-    log.info("%s", outcome.describe())
-    print(outcome.describe(), flush=True)
+    try:
+        outcome = harvest(args.cache_root, args.store, args.key, device_kind()).describe()
+    except Exception as e:  # noqa: BLE001 - a sidecar that exits is restarted, and the pod loses Ready meanwhile
+        outcome = f"compiled state not kept: {type(e).__name__}: {e}"
+    log.info("%s", outcome)
+    print(outcome, flush=True)
     while not args.once:
         time.sleep(3600)
     return 0

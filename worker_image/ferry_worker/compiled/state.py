@@ -18,6 +18,7 @@ on files and bytes. A mismatch of any kind restores nothing: vLLM compiles as it
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -27,6 +28,7 @@ import re
 import shutil
 import stat
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -102,63 +104,136 @@ def _gpu_models() -> list[str]:
     return models
 
 
-def _members(root: Path, limits: Limits) -> list[tuple[str, os.stat_result]]:
-    """Regular files and directories under `root`, relative, sorted; symlinks and special files skipped."""
-    out: list[tuple[str, os.stat_result]] = []
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        for name in sorted(dirnames) + sorted(filenames):
-            path = Path(dirpath) / name
-            st = path.lstat()
-            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                continue
-            relative = path.relative_to(root).as_posix()
-            if path_problem(relative):
-                continue
-            out.append((relative, st))
-            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
-            if len(out) > limits.files or total > limits.bytes:
-                raise CompiledStateError(f"{root} holds more than {limits.files} files or {limits.bytes} bytes: "
-                                         f"not harvested")
-    return out
+def vllm_keys(root: Path) -> list[str]:
+    """vLLM's own cache keys under a cache root (torch_compile_cache/<hash>): what it compiled for."""
+    try:
+        return sorted(e.name for e in os.scandir(root / "torch_compile_cache") if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
 
 
 def harvest(cache_root: Path, store: Path, key: str, device: str, limits: Limits = Limits()) -> Outcome:
-    """Publish `cache_root` as <store>/<key>/<device> unless an entry is there already."""
+    """Publish `cache_root` as <store>/<key>/<device>, unless an intact entry holds every vLLM cache key the
+    cache root has (a damaged entry, or one vLLM no longer uses, is replaced)."""
     checked_name(key, "key"), checked_name(device, "device")
     final = store / key / device
     replaced = ""
     if (final / MANIFEST).exists() or final.is_symlink():
-        problem = _damage(store, key, device)
+        problem = _damage(store, key, device) or _stale(store, key, device, vllm_keys(cache_root))
         if not problem:
             return Outcome("present", f"{key}/{device} was published before")
-        # A damaged entry (refused by every restore) is replaced by this pod's state.
-        aside = store / key / f".{device}.damaged-{os.getpid()}"
-        os.rename(final, aside)
-        if aside.is_symlink():
-            aside.unlink()
-        else:
-            shutil.rmtree(aside, ignore_errors=True)
-        replaced = f"; replaced a damaged entry ({problem})"
-    members = _members(cache_root, limits)
-    if not any(stat.S_ISREG(st.st_mode) for _, st in members):
-        return Outcome("absent", f"{cache_root} holds no file: vLLM compiled nothing to keep")
-    staging = store / key / f".{device}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    digest, size, files = _write_tar(cache_root, members, staging / STATE)
-    manifest = {"format": FORMAT, "key": key, "device": device, "sha256": digest, "bytes": size, "files": files,
-                "contentBytes": sum(st.st_size for _, st in members if stat.S_ISREG(st.st_mode))}
-    with atomic_file(staging / MANIFEST) as f:
-        f.write(json.dumps(manifest, sort_keys=True).encode())
+        replaced = f"; replaced the entry there ({problem})"
+    (store / key).mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{device}.partial-", dir=store / key))
     try:
-        os.rename(staging, final)
-    except OSError:  # another pod published first (a non-empty directory is never replaced)
+        digest, size, files, content = _write_tar(cache_root, staging / STATE, limits)
+        if not files:
+            return Outcome("absent", f"{cache_root} holds no file: vLLM compiled nothing to keep")
+        manifest = {"format": FORMAT, "key": key, "device": device, "sha256": digest, "bytes": size,
+                    "files": files, "contentBytes": content, "vllmKeys": vllm_keys(cache_root)}
+        with atomic_file(staging / MANIFEST) as f:
+            f.write(json.dumps(manifest, sort_keys=True).encode())
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide it from the loader of a pod of another uid
+        if replaced:
+            _set_aside(store, key, device)
+        try:
+            os.rename(staging, final)
+        except OSError:  # another pod published first (a non-empty directory is never replaced)
+            return Outcome("present", f"{key}/{device} was published by another pod")
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        return Outcome("present", f"{key}/{device} was published by another pod")
     fsync_dir(final.parent)
     return Outcome("published", f"{files} files, {size} bytes as {key}/{device}{replaced}", files, size)
+
+
+def _set_aside(store: Path, key: str, device: str) -> None:
+    aside = Path(tempfile.mkdtemp(prefix=f".{device}.old-", dir=store / key))
+    try:
+        os.rename(store / key / device, aside / "entry")
+    except FileNotFoundError:  # another pod set it aside first
+        pass
+    finally:
+        if (aside / "entry").is_symlink():
+            (aside / "entry").unlink()
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _stale(store: Path, key: str, device: str, keys: list[str]) -> str:
+    """Why an intact entry should be replaced: vLLM compiled under a cache key the entry does not hold."""
+    try:
+        m = json.loads(read_beneath(store, f"{key}/{device}/{MANIFEST}", MAX_MANIFEST) or b"{}")
+    except (ValueError, RecursionError, UnsafePathError, OSError) as e:
+        return str(e)
+    held = m.get("vllmKeys") if isinstance(m, dict) else None
+    missing = sorted(set(keys) - set(held if isinstance(held, list) else []))
+    return f"lacked vLLM's cache key(s) {', '.join(missing)[:200]}" if missing else ""
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+def _write_tar(root: Path, path: Path, limits: Limits) -> tuple[str, int, int, int]:
+    """`root`'s regular files and directories as one tar at `path` (sha256, bytes, files, content bytes).
+    Walked by directory fd (os.fwalk): no symlink is followed at any depth, a directory swapped during the
+    walk is refused by fwalk, each file is opened beneath its directory with O_NOFOLLOW and must be a
+    regular file of the size it had; a walk error publishes nothing."""
+    files = members = content = 0
+    with open(path, "wb") as raw:
+        with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for dirpath, dirnames, filenames, dirfd in os.fwalk(root, onerror=_raise, follow_symlinks=False):
+                # fwalk lists a link to a directory among dirnames (it only never descends into it): drop it.
+                dirnames[:] = sorted(n for n in dirnames
+                                     if stat.S_ISDIR(os.stat(n, dir_fd=dirfd, follow_symlinks=False).st_mode))
+                relative_dir = Path(dirpath).relative_to(root).as_posix()
+                for name in dirnames:
+                    members += 1
+                    _add_dir(tar, name if relative_dir == "." else f"{relative_dir}/{name}")
+                for name in sorted(filenames):
+                    relative = name if relative_dir == "." else f"{relative_dir}/{name}"
+                    size = _add_file(tar, dirfd, name, relative)
+                    if size is None:
+                        continue
+                    files, members, content = files + 1, members + 1, content + size
+                    if members > limits.files or content > limits.bytes:
+                        raise CompiledStateError(f"{root} holds more than {limits.files} entries or "
+                                                 f"{limits.bytes} bytes: not harvested")
+        raw.flush()
+        os.fsync(raw.fileno())
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest(), path.stat().st_size, files, content
+
+
+def _add_dir(tar: tarfile.TarFile, relative: str) -> None:
+    if path_problem(relative):
+        raise CompiledStateError(f"{relative[:200]!r}: {path_problem(relative)}")
+    info = tarfile.TarInfo(relative)
+    info.type, info.mode = tarfile.DIRTYPE, 0o755
+    tar.addfile(info)
+
+
+def _add_file(tar: tarfile.TarFile, dirfd: int, name: str, relative: str) -> int | None:
+    """One file, opened beneath its directory without following a symlink; None for anything but a regular
+    file (a symlink, a fifo, a socket: skipped)."""
+    if path_problem(relative):
+        raise CompiledStateError(f"{relative[:200]!r}: {path_problem(relative)}")
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink
+            return None
+        raise
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        info = tarfile.TarInfo(relative)
+        info.size, info.mtime, info.mode = st.st_size, int(st.st_mtime), 0o644
+        tar.addfile(info, f)  # a file that shrank meanwhile fails the harvest (tarfile: unexpected end)
+    return st.st_size
 
 
 def _damage(store: Path, key: str, device: str) -> str:
@@ -177,31 +252,6 @@ def _damage(store: Path, key: str, device: str) -> str:
     if n != m["bytes"] or "sha256:" + h.hexdigest() != m["sha256"]:
         return f"{STATE} differs from its manifest"
     return ""
-
-
-def _write_tar(root: Path, members: list[tuple[str, os.stat_result]], path: Path) -> tuple[str, int, int]:
-    files = 0
-    with open(path, "wb") as raw:
-        with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for relative, st in members:
-                info = tarfile.TarInfo(relative)
-                info.mtime, info.mode = int(st.st_mtime), 0o755 if stat.S_ISDIR(st.st_mode) else 0o644
-                if stat.S_ISDIR(st.st_mode):
-                    info.type = tarfile.DIRTYPE
-                    tar.addfile(info)
-                    continue
-                fd = os.open(root / relative, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                with open(fd, "rb") as f:
-                    info.size = os.fstat(fd).st_size
-                    tar.addfile(info, f)
-                files += 1
-        raw.flush()
-        os.fsync(raw.fileno())
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return "sha256:" + h.hexdigest(), path.stat().st_size, files
 
 
 class _Hashing:
@@ -231,6 +281,12 @@ def restore(store: Path, key: str, device: str, dest: Path, limits: Limits = Lim
     if raw is None:
         return Outcome("absent", f"none for this configuration and device ({where}) yet: vLLM compiles, and the "
                                  f"first pod to turn Ready keeps what it compiled")
+    try:
+        held = os.listdir(dest)
+    except OSError as e:
+        return Outcome("refused", f"{dest}: {e}")
+    if held:  # the init container ran before in this pod (its sandbox was recreated): vLLM has what is there
+        return Outcome("refused", f"{dest} already holds {len(held)} entries; nothing restored over them")
     try:
         manifest = _manifest(raw, key, device, limits)
         files, size = _extract(store, where, dest, manifest, limits)
@@ -272,6 +328,8 @@ def _extract(store: Path, where: str, dest: Path, manifest: dict, limits: Limits
                 pass  # the end-of-archive padding is part of what was hashed
         if "sha256:" + stream.h.hexdigest() != manifest["sha256"]:
             raise CompiledStateError(f"{STATE}'s sha256 differs from its manifest's")
+        for directory, _, _ in os.walk(staging):  # parents made on the way, too (nothing here is a link)
+            os.chmod(directory, 0o777)
         for entry in os.listdir(staging):
             os.rename(staging / entry, dest / entry)
     finally:
@@ -279,19 +337,35 @@ def _extract(store: Path, where: str, dest: Path, manifest: dict, limits: Limits
     return files, size
 
 
+MAX_EXTENDED_HEADER = 64 << 10  # a PAX or GNU long-name header: a path, a size; never more
+
+
+class _BoundedInfo(tarfile.TarInfo):
+    """A member header whose extended headers (PAX, GNU long names) tarfile would read whole into memory
+    is refused above MAX_EXTENDED_HEADER, and sparse members are refused outright (harvest writes none)."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise tarfile.HeaderError("a sparse member")
+        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                         tarfile.GNUTYPE_LONGLINK) and self.size > MAX_EXTENDED_HEADER:
+            raise tarfile.HeaderError(f"an extended header of {self.size} bytes")
+        return super()._proc_member(tarfile_)
+
+
 def _members_out(stream: _Hashing, staging: Path, limits: Limits) -> tuple[int, int]:
-    files = size = 0
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
+    """Every member checked, counted (directories too) and written under `staging`; (files, bytes)."""
+    files = members = size = 0
+    with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedInfo) as tar:
         for member in tar:
-            if not (member.isfile() or member.isdir()):
+            if not (member.isfile() or member.isdir()) or member.sparse is not None:
                 raise CompiledStateError(f"member {member.name[:200]!r} is neither a file nor a directory")
             problem = path_problem(member.name)
             if problem:
                 raise CompiledStateError(f"member {member.name[:200]!r}: {problem}")
-            files += member.isfile()
-            size += member.size
-            if files > limits.files or size > limits.bytes:
-                raise CompiledStateError(f"more than {limits.files} files or {limits.bytes} bytes")
+            files, members, size = files + member.isfile(), members + 1, size + member.size
+            if members > limits.files or size > limits.bytes:
+                raise CompiledStateError(f"more than {limits.files} entries or {limits.bytes} bytes")
             _write_member(tar, member, staging)
     return files, size
 
@@ -300,10 +374,13 @@ def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, staging: Path) 
     """One checked member under `staging`: no component followed through a symlink, a file created anew
     (O_EXCL: a name given twice is refused), modes Ferry's own, never the archive's owners or modes."""
     if member.isdir():
-        os.close(open_dir_beneath(staging, member.name, make_dirs=True))
+        fd = open_dir_beneath(staging, member.name, make_dirs=True)
+        os.fchmod(fd, 0o777)  # the pod's own emptyDir: vLLM, whatever its uid, adds its entries beside these
+        os.close(fd)
         return
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     source = tar.extractfile(member)
     assert source is not None  # a regular file
     with open(open_beneath(staging, member.name, flags, 0o644, make_dirs=True), "wb") as out:
+        os.fchmod(out.fileno(), 0o666)
         shutil.copyfileobj(source, out, 1 << 20)
