@@ -427,11 +427,16 @@ def kill_pod_processes() -> None:
         if procs.exists():
             pids.update(int(p) for p in procs.read_text().split())
     stop(sorted(pids), signal.SIGKILL, timeout=5)
-    for cg in pod_cgroups():
-        try:
-            cg.rmdir()
-        except OSError:
-            pass
+    # A cgroup whose last process just died stays busy for a moment (EBUSY): try again for a while.
+    deadline = time.monotonic() + 10
+    while pod_cgroups() and time.monotonic() < deadline:
+        for cg in pod_cgroups():
+            try:
+                cg.rmdir()
+            except OSError:
+                pass
+        if pod_cgroups():
+            time.sleep(0.2)
 
 
 def mounts_under(*prefixes: Path) -> list[str]:
