@@ -233,7 +233,9 @@ def test_a_fused_layer_of_mixed_precision_is_refused(make_checkpoint, tmp_path):
                                                   r"not whole 32-wide FP8 scale blocks"),
     # o_proj at TP 4 with 48-column blocks: 32 input columns per rank.
     (fp8(LLAMA3, block=[16, 48]), 4, MoeTarget(), r"o_proj.weight_scale_inv.*columns \[0, 32\)"),
-    (fp8(MIXTRAL, block=[128, 128]), 4, MoeTarget(), r"expert intermediate size is 64.*not a multiple of the 128x128"),
+    # 48-wide blocks: expert intermediate 128 per rank is neither whole blocks nor a grid vLLM refines.
+    (fp8(MIXTRAL, block=[48, 48]), 2, MoeTarget(), r"expert intermediate size is 128 \(moe_intermediate_size 256 / 2\), "
+                                                   r"not whole 48x48.*gcd\(48, 48, 128, 128\) = 16, is below 32.*no tensor-parallel size"),
     (fp8(MIXTRAL), 2, MoeTarget(gpu="rocm"), "FP8 experts on ROCm"),
     (fp8(QWEN3_MOE, not_converted=QWEN3_MOE_GATES, block=[128, 128]), 2, MoeTarget(expert_parallel=True),
      r"intermediate size is 64 \(moe_intermediate_size 64 / 1\)"),
@@ -242,6 +244,74 @@ def test_cuts_that_leave_partial_blocks_are_refused(make_checkpoint, tmp_path, c
     source, _ = make_checkpoint(case)
     with pytest.raises(ShardError, match=message):
         ShardJob.prepare(source, tmp_path / "out", tp=tp, moe=moe)
+
+
+# Mixtral here: expert intermediate 256, hidden 128; attention left in bf16 so that only the experts'
+# blocks decide the cut.
+ATTENTION = tuple(f"model.layers.{i}.self_attn.{m}_proj" for i in range(MIXTRAL.config["num_hidden_layers"]) for m in "qkvo")
+REFINED = [(fp8(MIXTRAL, block=[128, 128], not_converted=ATTENTION), 4, (2, 2)),  # 64 per rank: 64x64 blocks
+           (fp8(MIXTRAL, block=[128, 128], not_converted=ATTENTION), 8, (4, 4))]  # 32 per rank: 32x32 blocks
+
+
+@pytest.mark.parametrize("case, tp, factor", REFINED, ids=[f"tp{tp}" for _, tp, _ in REFINED])
+def test_expert_scales_on_vllms_refined_grid(make_checkpoint, tmp_path, case, tp, factor):
+    """vLLM's default MoE backend refines the experts' 128x128 grid where a rank's intermediate size is not
+    whole blocks (refine_fp8_moe_block_shape), upsampling each checkpoint scale before the rank's cut: so
+    does the cut, and unshard rebuilds the checkpoint's grid bit for bit."""
+    source, weights = make_checkpoint(case)
+    manifest = ShardJob.prepare(source, tmp_path / "out", tp=tp).run()
+    assert manifest.extra["quantization"]["moeScaleGrid"] == {"refinedBlock": [128 // factor[0]] * 2,
+                                                              "factor": list(factor)}
+    p = "model.layers.1.block_sparse_moe."
+    for rank in range(tp):
+        files = _rank(tmp_path / "out", rank)
+        w13 = _array(files, p + "experts.routed_experts.w13_weight_scale_inv")
+        w2 = _array(files, p + "experts.routed_experts.w2_weight_scale_inv")
+        rows = 256 // tp // (128 // factor[0])  # refined rows of each of gate and up on this rank
+        for e in range(4):
+            def up(name):
+                scale = _array(weights, f"{p}experts.{e}.{name}.weight_scale_inv")
+                return scale.repeat(factor[0], axis=0).repeat(factor[1], axis=1)
+            expected = np.concatenate([up("w1")[rank * rows:(rank + 1) * rows], up("w3")[rank * rows:(rank + 1) * rows]])
+            assert np.array_equal(w13[e], expected)
+            assert np.array_equal(w2[e], up("w2")[:, rank * rows:(rank + 1) * rows])
+    unshard(tmp_path / "out", tmp_path / "rebuilt")
+    rebuilt = read_safetensors(tmp_path / "rebuilt" / UNSHARDED_NAME)
+    assert all(tuple(rebuilt[n]) == tuple(w) for n, w in weights.items() if n not in case.extra_tensors)
+
+
+def test_unshard_refuses_refined_scales_that_are_not_the_checkpoints_repeated(make_checkpoint, tmp_path):
+    from ferry_worker.manifest import IntegrityError, read_manifest, sha256_file, write_manifest
+
+    case, tp, _ = REFINED[0]
+    source, _ = make_checkpoint(case)
+    ShardJob.prepare(source, tmp_path / "out", tp=tp).run()
+    rank_file = tmp_path / "out" / "model-rank-3-part-0.safetensors"
+    header_len = int.from_bytes(rank_file.read_bytes()[:8], "little")
+    entry = json.loads(rank_file.read_bytes()[8:8 + header_len])[
+        "model.layers.0.block_sparse_moe.experts.routed_experts.w2_weight_scale_inv"]
+    data = bytearray(rank_file.read_bytes())
+    data[8 + header_len + entry["data_offsets"][1] - 1] ^= 0x01  # one repeat of the last expert's last scale
+    rank_file.write_bytes(bytes(data))
+    manifest = read_manifest(tmp_path / "out")  # re-signed: only unshard's layout check can catch it
+    manifest.files = [f if f.path != rank_file.name else type(f)(f.path, f.size, sha256_file(rank_file))
+                      for f in manifest.files]
+    write_manifest(tmp_path / "out", manifest)
+    with pytest.raises(IntegrityError, match="refined FP8 scale's repeats differ"):
+        unshard(tmp_path / "out", tmp_path / "rebuilt")
+
+
+@pytest.mark.parametrize("inter, hidden, tp, grid", [
+    (768, 2048, 1, None), (768, 2048, 2, None),  # Qwen3-30B-A3B-FP8: 384 per rank is whole 128 blocks
+    (768, 2048, 4, (2, 2)), (768, 2048, 8, (4, 4)),  # 192 and 96 per rank: 64 and 32 blocks
+    (768, 2048, 16, False),  # 48 per rank: gcd 16, below vLLM's 32
+    (1408, 2048, 4, (4, 4)),  # DeepSeek-V2-Lite's sizes: 352 per rank, 32 blocks
+    (768, 2880, 4, False),  # a hidden size that is not whole 128 blocks: the refined scales would not line up
+])
+def test_which_grid_vllm_loads_the_experts_scales_on(inter, hidden, tp, grid):
+    from ferry_worker.shard import fp8 as fp8_rules
+
+    assert fp8_rules._moe_grid(inter, hidden, tp, (128, 128)) == grid
 
 
 def test_fp8_needs_a_vllm_release_whose_layout_was_checked(make_checkpoint, tmp_path):

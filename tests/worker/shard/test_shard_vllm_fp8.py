@@ -1,6 +1,12 @@
 """FP8 block-scaled checkpoints: Ferry's `sharded_state` rank files against the
 state vLLM 0.32 itself builds in each TP 2 worker (and EP 2 for the MoE
-families), name for name, dtype, shape and byte for byte.
+families), name for name, dtype, shape and byte for byte; and Qwen3-MoE at
+TP 4, where each rank's expert intermediate size is not whole 128 blocks and
+vLLM's default MoE backend refines the experts' scale grid (Qwen3-30B-A3B-FP8
+at TP 4 and 8: 64 and 32 blocks; here 256 and 384 / 4).
+
+Shares: the session's hf_checkpoints store, and one vLLM process per TP size
+for all its runs.
 
 The checkpoints are written by transformers' own modelling code
 (hf_generate.py) and then quantized as DeepSeek-V3's recipe does (per
@@ -49,6 +55,8 @@ class Checkpoint:
     not_converted: tuple[str, ...] = ()
     routers: bool = False  # quantize the MoE routers too (Qwen3-MoE hands its gate the quant config)
     fp8: dict = field(default_factory=dict)
+    tp: int = 2
+    refined: tuple[int, int] | None = None  # the experts' scale grid refinement vLLM applies at `tp`
 
 
 CHECKPOINTS = (
@@ -69,6 +77,11 @@ CHECKPOINTS = (
                routers=True),
     Checkpoint("deepseek_v2", "deepseek_v2", {"config": {**_MLA, "n_shared_experts": 2}}),
     Checkpoint("deepseek_v3", "deepseek_v3", {"config": {**_MLA, "q_lora_rank": 128}}, expert_parallel=True),
+    # 64 and 96 expert rows per rank at TP 4: vLLM refines 128x128 to 64x64 and 32x32.
+    Checkpoint("qwen3_moe-refined64", "qwen3_moe", {"config": {**_DENSE, "moe_intermediate_size": 256}},
+               not_converted=("model.layers.0.mlp.gate", "model.layers.1.mlp.gate"), tp=4, refined=(2, 2)),
+    Checkpoint("qwen3_moe-refined32", "qwen3_moe", {"config": {**_DENSE, "moe_intermediate_size": 384}},
+               not_converted=("model.layers.0.mlp.gate", "model.layers.1.mlp.gate"), tp=4, refined=(4, 4)),
 )
 
 
@@ -79,7 +92,7 @@ class Run:
     expert_parallel: bool
 
 
-RUNS = tuple(Run(f"{c.name}-{'ep' if ep else 'tp'}2", c, ep) for c in CHECKPOINTS
+RUNS = tuple(Run(f"{c.name}-{'ep' if ep else 'tp'}{c.tp}", c, ep) for c in CHECKPOINTS
              for ep in ((False, True) if c.expert_parallel else (False,)))
 
 
@@ -100,11 +113,15 @@ def fp8_states(vllm_python: str, hf_checkpoints, tmp_path_factory: pytest.TempPa
     for run in RUNS:
         original = originals[_case(run.checkpoint)]
         artifact = root / run.name
-        ShardJob.prepare(original, artifact, tp=2, moe=MoeTarget(expert_parallel=run.expert_parallel)).run()
+        tp = run.checkpoint.tp
+        ShardJob.prepare(original, artifact, tp=tp, moe=MoeTarget(expert_parallel=run.expert_parallel)).run()
         artifacts[run.name] = artifact
-        specs.append({"name": run.name, "tp": 2, "original": str(original), "artifact": str(artifact),
+        specs.append({"name": run.name, "tp": tp, "original": str(original), "artifact": str(artifact),
                       "expert_parallel": run.expert_parallel})
-    results = {r["name"]: r for r in run_engines(vllm_python, STATE, specs, env=env, cwd=root, timeout=1800)}
+    results = {}
+    for tp in sorted({spec["tp"] for spec in specs}):  # the workers of one process join one group
+        same = [spec for spec in specs if spec["tp"] == tp]
+        results.update((r["name"], r) for r in run_engines(vllm_python, STATE, same, env=env, cwd=root, timeout=1800))
     for name, artifact in artifacts.items():
         results[name]["manifest"] = read_manifest(artifact).extra
     return results
@@ -116,7 +133,7 @@ def fp8_states(vllm_python: str, hf_checkpoints, tmp_path_factory: pytest.TempPa
 def test_fp8_rank_files_are_the_state_vllm_builds_in_each_worker(fp8_states, name):
     run = next(r for r in RUNS if r.name == name)
     workers = fp8_states[name]["workers"]
-    assert_workers_built_the_same_state(workers)
+    assert_workers_built_the_same_state(workers, ranks=run.checkpoint.tp)
     for worker in workers:
         default = worker["default"]
         # The comparison covered FP8 weights with their float32 block scales, not a model vLLM left unquantized.
@@ -130,5 +147,12 @@ def test_fp8_rank_files_are_the_state_vllm_builds_in_each_worker(fp8_states, nam
         if run.expert_parallel:
             w13 = next(v for k, v in default.items() if k.endswith("w13_weight"))
             assert w13[0][0] == 2, w13  # 4 experts over EP 2
+        if run.checkpoint.refined:  # the comparison covered scales on the refined grid: 1/factor of a block
+            rows_per_rank = run.checkpoint.config["config"]["moe_intermediate_size"] // run.checkpoint.tp
+            w13_scale = next(v for k, v in default.items() if k.endswith("w13_weight_scale_inv"))
+            assert w13_scale[0][1] == 2 * rows_per_rank // (BLOCK[0] // run.checkpoint.refined[0]), w13_scale
     quantization = fp8_states[name]["manifest"]["quantization"]
     assert quantization["method"] == "fp8" and quantization["weightBlockSize"] == BLOCK
+    refined = run.checkpoint.refined
+    assert quantization["moeScaleGrid"] == ({"refinedBlock": [BLOCK[0] // refined[0]] * 2, "factor": list(refined)}
+                                            if refined else "checkpoint blocks")

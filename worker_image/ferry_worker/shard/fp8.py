@@ -17,12 +17,16 @@ a block boundary (the last part of a fused weight may end on a partial
 block). vLLM allocates `ceil(part/bn)` scale rows per fused part and skips its
 own block-shape check for fused layers, so another cut either fails at load
 or, for some sizes, loads misplaced scales on the middle ranks without a
-word; for MoE it refines the scale grid instead, a layout this module does
-not write.
+word. For MoE experts whose per-rank intermediate size is not whole blocks,
+vLLM's default MoE backend refines the scale grid (`refine_fp8_moe_block_shape`:
+a square block g = gcd(bn, bk, per-rank intermediate, hidden) >= 32, each
+checkpoint scale repeated (bn/g) x (bk/g) times before the rank's cut), and
+so does Ferry (`moe_refinement`, plan.py's `Refined` pieces).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -66,8 +70,8 @@ class BlockFp8:
     def facts(self) -> dict:
         """For the manifest: what the scales were cut for."""
         return {"method": "fp8", "weightBlockSize": list(self.block), "scaleDtype": SCALE_DTYPE,
-                # Where vLLM has a choice (MoE scales that are not whole blocks per rank) it refines
-                # the grid, or pads with an explicit --moe-backend; cuts needing either are refused.
+                # Where MoE scales are not whole blocks per rank, vLLM's default backend refines the grid
+                # (plan.ShardPlan.quant_facts says which); padding (an explicit --moe-backend) is not written.
                 "moeScaleGrid": "checkpoint blocks"}
 
 
@@ -230,22 +234,47 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[
     return -(-rows // block[0]), (-(-columns // block[1]) if block[1] else 1)
 
 
-def check_moe_blocks(dims: ModelDims, tp: int, moe: MoeTarget, quant: BlockFp8) -> None:
-    """vLLM refines the experts' scale grid (or pads the rank's rows, with an
-    explicit MoE backend) unless each rank's expert intermediate size is whole
-    blocks; Ferry writes the checkpoint's grid only, so it refuses the rest."""
+MIN_REFINED_BLOCK = 32  # vLLM's refine_fp8_moe_block_shape offers no finer block
+
+
+def check_moe_blocks(dims: ModelDims, tp: int, moe: MoeTarget, quant: BlockFp8) -> tuple[int, int] | None:
+    """The experts' scale grid vLLM 0.32's default MoE backend loads at this cut: None for the checkpoint's
+    blocks (each rank's expert intermediate size is whole blocks), or the refinement factors (bn/g, bk/g)
+    of `refine_fp8_moe_block_shape`'s square block g. A cut with neither is refused, naming the sizes that
+    work."""
     bn, bk = quant.block
-    inter = dims.size("moe_intermediate")
+    inter, hidden = dims.size("moe_intermediate"), dims.hidden
     moe_tp = 1 if moe.expert_parallel else tp
-    per_rank = inter // moe_tp
-    if per_rank % bn or (moe_tp > 1 and per_rank % bk):
-        raise ShardError(f"FP8 experts: each rank's expert intermediate size is {per_rank} (moe_intermediate_size "
-                         f"{inter} / {moe_tp}), not a multiple of the {bn}x{bk} scale block; vLLM would load "
-                         f"these scales on a refined or padded grid, which ferry shard does not write: choose a "
-                         f"tensor-parallel size that leaves whole blocks, or expert parallelism")
     if moe.gpu == "rocm":
         raise ShardError("FP8 experts on ROCm: vLLM's AITER path converts and may pad FP8 MoE weights in ways "
                          "ferry shard has not checked; cut for hopper/ampere/ada/blackwell")
+    grid = _moe_grid(inter, hidden, moe_tp, quant.block)
+    if grid is not False:
+        return grid
+    per_rank, g = inter // moe_tp, math.gcd(bn, bk, inter // moe_tp, hidden)
+    fitting = [str(t) for t in (1, 2, 4, 8, 16) if inter % t == 0 and _moe_grid(inter, hidden, t, quant.block)
+               is not False]
+    why = (f"the finest block vLLM would refine to, gcd({bn}, {bk}, {per_rank}, {hidden}) = {g}, is below "
+           f"{MIN_REFINED_BLOCK}" if g < MIN_REFINED_BLOCK else
+           f"moe_intermediate_size {inter} and hidden_size {hidden} are not whole {bn}x{bk} blocks, so vLLM's "
+           f"refined scales would not line up with the ranks")
+    way_out = (f"choose a tensor-parallel size of {', '.join(fitting)} for the experts" if fitting else
+               "no tensor-parallel size up to 16 lines up: serve this checkpoint with format.type safetensors")
+    raise ShardError(f"FP8 experts: each rank's expert intermediate size is {per_rank} (moe_intermediate_size "
+                     f"{inter} / {moe_tp}), not whole {bn}x{bk} scale blocks, and {why}; vLLM cannot load this "
+                     f"cut with its default MoE backend: {way_out}")
+
+
+def _moe_grid(inter: int, hidden: int, moe_tp: int, block: tuple[int, int]) -> tuple[int, int] | None | bool:
+    """None: the checkpoint's blocks; (bn/g, bk/g): vLLM's refined grid; False: neither lines up."""
+    bn, bk = block
+    per_rank = inter // moe_tp
+    if per_rank % bn == 0 and (moe_tp == 1 or per_rank % bk == 0):
+        return None
+    g = math.gcd(bn, bk, per_rank, hidden)
+    if g >= MIN_REFINED_BLOCK and all(size % b == 0 for size in (inter, hidden) for b in block):
+        return bn // g, bk // g
+    return False
 
 
 def check_dtypes(tensors: Mapping[str, str], quantized: set[str], scales: set[str],

@@ -8,7 +8,9 @@ read. Each output tensor is a list of pieces concatenated along dim 0:
 - `Rows`: rows [start, stop) of a source tensor: one contiguous byte range;
 - `Columns`: columns [start, stop) of a 2-D source tensor: one strided range;
 - `ZeroRows`: vocabulary padding;
-- `Constant`: a literal (vLLM's default attention scales).
+- `Constant`: a literal (vLLM's default attention scales);
+- `Refined`: rows or columns of an FP8 expert scale on vLLM's refined grid
+  (each checkpoint scale repeated over the finer blocks it covers).
 
 An FP8 block-scaled checkpoint's scales (`fp8.py`) are cut with their
 weights, in block units: the same pieces, of the scale tensor.
@@ -82,7 +84,29 @@ class Constant:
     data: bytes
 
 
-Piece = Union[Rows, Columns, ZeroRows, Constant]
+@dataclass(frozen=True)
+class Refined:
+    """Indices [start, stop) along `axis` (0: rows, 1: columns) of the checkpoint scale `source` upsampled to
+    vLLM's refined MoE grid: each value repeated `factor[0]` times down and `factor[1]` times across (the
+    `repeat_interleave` of FusedMoE's weight loader), the other axis whole."""
+
+    source: str
+    axis: int
+    start: int
+    stop: int
+    factor: tuple[int, int]
+
+    def shape(self, source_shape: tuple[int, ...]) -> tuple[int, int]:
+        rows, columns = source_shape[0] * self.factor[0], source_shape[1] * self.factor[1]
+        return (self.stop - self.start, columns) if self.axis == 0 else (rows, self.stop - self.start)
+
+    def source_range(self) -> tuple[int, int]:
+        """The checkpoint indices along `axis` the piece repeats."""
+        f = self.factor[self.axis]
+        return self.start // f, -(-self.stop // f)
+
+
+Piece = Union[Rows, Columns, ZeroRows, Constant, Refined]
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,8 @@ class ShardPlan:
     moe: MoeTarget = MoeTarget()
     experts: int = 0  # routed experts per MoE layer; 0 for a dense model
     quant: Quantization | None = None
+    # FP8 experts on vLLM's refined scale grid: the factors each checkpoint scale is repeated by.
+    moe_scale_refine: tuple[int, int] | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -136,7 +162,13 @@ class ShardPlan:
 
     def quant_facts(self) -> dict:
         """How the checkpoint is quantized (empty when it is not), for its manifest."""
-        return {"quantization": self.quant.facts()} if self.quant else {}
+        if not self.quant:
+            return {}
+        facts = self.quant.facts()
+        if self.moe_scale_refine:
+            facts["moeScaleGrid"] = {"refinedBlock": [b // f for b, f in zip(self.quant.block, self.moe_scale_refine)],
+                                     "factor": list(self.moe_scale_refine)}
+        return {"quantization": facts}
 
     def moe_facts(self) -> dict:
         """What a MoE artifact was cut for (empty for a dense model), for its
@@ -180,19 +212,20 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     dims.check_tensor_parallel(tp, dense_mlp=layers.any(Mlp.DENSE))
     if moe.gpu in family.refused_targets:
         raise ShardError(f"{family.name}: {family.refused_targets[moe.gpu]}")
+    refine = None
     if family.is_moe:
         check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
                   expert_groups=int(config.get("n_group") or 1))
         if isinstance(quant, fp8.BlockFp8) and any(layers.quantized(p, i) for p in family.layer_params if p.experts
                                      for i in range(dims.layers) if layers.holds(p, i, flags)):
-            fp8.check_moe_blocks(dims, tp, moe, quant)
+            refine = fp8.check_moe_blocks(dims, tp, moe, quant)
     elif moe.expert_parallel:
         raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
     skipped = _skipped_tensors(family, dims, tensors, layers)
     _check_quantized_dtypes(family, dims, flags, tensors, layers, skipped)
     tied_copies = _check_sources(family, dims, flags, tensors, layers, skipped)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
-    cutter = _Cutter(dims, tp, tensors, moe)
+    cutter = _Cutter(dims, tp, tensors, moe, refine)
     model_dtype = _model_dtype(family, dims, tensors)
     files = []
     for pp_rank, layer_range in enumerate(ranges):
@@ -202,7 +235,7 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
             planned = [cutter.cut(entry, tp_rank) for entry in params]
             files += _split_parts(planned, vllm, pp, pp_rank, tp_rank, max_part_size)
     return ShardPlan(family.name, dims, tp, pp, vllm, tuple(ranges), tuple(files), skipped, tied_copies,
-                     moe if family.is_moe else MoeTarget(), dims.experts, quant)
+                     moe if family.is_moe else MoeTarget(), dims.experts, quant, refine)
 
 
 Quantization = Union[fp8.BlockFp8, fp8.TensorFp8, wna16.PackQuantized, intpack.IntPacked, w8a8.W8A8]
@@ -524,8 +557,9 @@ def _drop_shared_storage(entries: list[_Entry]) -> list[_Entry]:
 class _Cutter:
     """Cuts one parameter for one tensor-parallel rank."""
 
-    def __init__(self, dims: ModelDims, tp: int, tensors: Mapping[str, TensorSpec], moe: MoeTarget):
-        self.dims, self.tp, self.tensors, self.moe = dims, tp, tensors, moe
+    def __init__(self, dims: ModelDims, tp: int, tensors: Mapping[str, TensorSpec], moe: MoeTarget,
+                 refine: tuple[int, int] | None = None):
+        self.dims, self.tp, self.tensors, self.moe, self.refine = dims, tp, tensors, moe, refine
 
     def cut(self, entry: _Entry, rank: int) -> PlannedTensor:
         if not entry.sources:  # an attention scale: a constant
@@ -553,16 +587,17 @@ class _Cutter:
         else:
             held, moe_tp, moe_rank = list(range(self.dims.experts)), self.tp, rank
         per_expert = [[_for_expert(s, e) for s in entry.sources] for e in held]
-        pieces = [self._concatenation(entry.name, sources, moe_rank, moe_tp) for sources in per_expert]
+        pieces = [self._concatenation(entry.name, sources, moe_rank, moe_tp, self.refine) for sources in per_expert]
         rows = sum(self._piece_rows(p) for p in pieces[0])
         trailing = self._trailing_shape(per_expert[0][0], pieces[0][0])
         dtype = self._dtype(entry.name, tuple(s for sources in per_expert for s in sources))
         return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))
 
     def _concatenation(self, name: str, sources: tuple[Source, ...] | list[Source], rank: int,
-                       tp: int) -> list[Piece]:
+                       tp: int, refine: tuple[int, int] | None = None) -> list[Piece]:
         """The pieces of `sources` for `rank`, concatenated along dim 0: each
-        cut for the rank, or for FP8 scales, their weights' cuts in blocks."""
+        cut for the rank, or for FP8 scales, their weights' cuts in blocks (on
+        vLLM's refined grid for FP8 experts with `refine`)."""
         if sources[0].block is None:
             return [p for s in sources for p in self._cut_source(s, rank, tp)]
         if sources[0].block == EACH:  # each part's one value ([1] or 0-d in the checkpoint), side by side
@@ -571,6 +606,8 @@ class _Cutter:
             last = max(sources, key=lambda s: (wna16.natural_key(self.tensors[s.hf_name].file), s.hf_name))
             return [Rows(last.hf_name, 0, self.tensors[last.hf_name].shape[0])]
         weights = [(s, p) for s in sources for p in self._cut_source(fp8.weight_source(s), rank, tp)]
+        if refine and sources[0].hf_name.endswith(fp8.SCALE_SUFFIX):
+            return [_refined(scale, piece, refine) for scale, piece in weights]
         pieces = [self._in_blocks(name, scale, piece, rank, tp, last=i == len(weights) - 1)
                   for i, (scale, piece) in enumerate(weights)]
         return [_transposed(p) for p in pieces] if sources[0].transposed else pieces
@@ -649,11 +686,15 @@ class _Cutter:
             return self.tensors[piece.source].shape[0]
         if isinstance(piece, ZeroRows):
             return piece.count
+        if isinstance(piece, Refined):
+            return piece.shape(self.tensors[piece.source].shape)[0]
         raise AssertionError(piece)
 
     def _trailing_shape(self, source: Source, piece: Piece) -> tuple[int, ...]:
         if isinstance(piece, Columns):
             return (piece.stop - piece.start,)
+        if isinstance(piece, Refined):
+            return piece.shape(self.tensors[piece.source].shape)[1:]
         return self.tensors[source.hf_name].shape[1:]
 
 
@@ -665,6 +706,16 @@ def _check_whole_blocks(name: str, block_tensor: Source, rows: int, columns: int
         if size and extent % size:
             raise ShardError(f"{name}: its weight has {extent} {axis}, not a multiple of the {size}-wide "
                              f"blocks it is packed or grouped in; vLLM cannot load it")
+
+
+def _refined(scale: Source, piece: Piece, factor: tuple[int, int]) -> Refined:
+    """The refined-grid scale piece covering weight `piece` (rows of gate/up, columns of down): its offsets
+    in refined blocks, which divide every rank's cut (fp8.check_moe_blocks)."""
+    assert isinstance(piece, (Rows, Columns)) and not scale.transposed, piece
+    axis = 0 if isinstance(piece, Rows) else 1
+    size = scale.block[axis] // factor[axis]
+    assert piece.start % size == 0 and piece.stop % size == 0, (piece, size)
+    return Refined(scale.hf_name, axis, piece.start // size, piece.stop // size, factor)
 
 
 def _transposed(piece: Piece) -> Piece:

@@ -34,7 +34,7 @@ from ..paths import UnsafePathError, read_beneath
 from ..safetensors_header import validate_safetensors
 from .job import FORMAT
 from .experts import DEFAULT_TARGET, MoeTarget
-from .plan import Columns, Constant, PlannedFile, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
+from .plan import Columns, Constant, PlannedFile, Refined, Rows, ShardPlan, TensorSpec, ZeroRows, plan_shards
 from .spans import BlockBuffers, Span, piece_span, read_span, write_span
 from .model import ShardError
 from .tensors import HeaderEntry, encode_header, itemsize, narrow
@@ -54,7 +54,7 @@ def unshard(artifact: Path, output: Path) -> Manifest:
     rank_files = {f.name for f in plan.files}
     specs = {name: TensorSpec(s["dtype"], tuple(s["shape"]), s.get("file", "")) for name, s in manifest.extra["sourceTensors"].items()}
     rebuilt = sorted({p.source for f in plan.files for t in f.tensors for p in t.pieces
-                      if isinstance(p, (Rows, Columns))})
+                      if isinstance(p, (Rows, Columns, Refined))})
     derived = _derived(plan, specs, rebuilt)
     order = sorted([*rebuilt, *derived], key=lambda n: -itemsize(specs[n].dtype))
     header = encode_header(HeaderEntry(n, specs[n].dtype, specs[n].shape) for n in order)
@@ -122,10 +122,14 @@ class _Coverage:
     """Which regions of each source tensor have been rebuilt, and from where."""
 
     regions: dict[str, dict[tuple[type, int, int], tuple[Path, Span]]] = field(default_factory=dict)
+    # Refined-grid scales: the source's values rebuilt so far, by index along the cut axis (several ranks
+    # repeat one checkpoint block: each copy must agree).
+    refined: dict[str, dict[int, bytes]] = field(default_factory=dict)
+    refined_axes: dict[str, tuple[int, int]] = field(default_factory=dict)  # source -> (axis, factor along it)
 
     def first_copy(self, source: str, piece: Rows | Columns, rank_file: Path, span: Span) -> tuple[Path, Span] | None:
         """Record a region; return where it was already rebuilt from, if it was."""
-        key = (type(piece), piece.start, piece.stop)
+        key = (type(piece), piece.start, piece.stop)  # Refined: in refined units
         seen = self.regions.setdefault(source, {})
         if key in seen:
             return seen[key]
@@ -139,6 +143,9 @@ class _Coverage:
                 raise IntegrityError(f"{name}: rebuilt from both row and column slices")
             kind = kinds.pop()
             extent = (specs[name].shape or (1,))[1 if kind is Columns else 0]  # a 0-d scale is one row
+            if kind is Refined:
+                axis, factor = self.refined_axes[name]
+                extent = specs[name].shape[axis] * factor
             end = 0
             for _, start, stop in sorted(self.regions[name]):
                 if start != end:
@@ -188,6 +195,9 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
                 else:
                     _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
                 position += dest.length if tensor.axis == 1 else dest.nbytes * wider
+            elif isinstance(piece, Refined):
+                position += _unrefine(fd, position, piece, specs[piece.source], offsets[piece.source], out_fd,
+                                      coverage, f"{tensor.name} in {rank_file.name}")
             elif isinstance(piece, ZeroRows):
                 nbytes = piece.count * row_bytes
                 if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):
@@ -197,6 +207,42 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
                 if next(read_span(fd, Span(position, len(piece.data)), buffers)) != piece.data:
                     raise IntegrityError(f"{rank_file.name}: {tensor.name} is not vLLM's default value")
                 position += len(piece.data)
+
+
+def _unrefine(fd: int, position: int, piece: Refined, spec: TensorSpec, offset: int, out_fd: int,
+              coverage: _Coverage, label: str) -> int:
+    """Rebuild the checkpoint scale values a refined-grid piece repeats: every repeat must equal its value,
+    and a value another rank also repeats must agree. Returns the piece's size in bytes."""
+    import numpy as np
+
+    size = itemsize(spec.dtype)
+    shape = piece.shape(spec.shape)
+    nbytes = shape[0] * shape[1] * size
+    data = b"".join(bytes(c) for c in read_span(fd, Span(position, nbytes), BlockBuffers()))
+    fine = np.frombuffer(data, dtype=np.uint8).reshape(*shape, size)
+    lo, hi = piece.source_range()
+    index = np.arange(piece.start, piece.stop) // piece.factor[piece.axis]
+    across = 1 - piece.axis
+    coarse = np.take(fine, np.arange(0, shape[across], piece.factor[across]), axis=across)
+    first = np.take(coarse, np.searchsorted(index, np.arange(lo, hi)), axis=piece.axis)
+    if not np.array_equal(fine, first.repeat(piece.factor[across], axis=across).take(index - lo, axis=piece.axis)):
+        raise IntegrityError(f"{label}: a refined FP8 scale's repeats differ: it is not the checkpoint's grid "
+                             f"repeated")
+    coverage.first_copy(piece.source, piece, Path(label), Span(position, nbytes))
+    coverage.refined_axes[piece.source] = (piece.axis, piece.factor[piece.axis])
+    seen = coverage.refined.setdefault(piece.source, {})
+    row_bytes = spec.shape[1] * size
+    for i in range(lo, hi):
+        value = np.take(first, i - lo, axis=piece.axis).tobytes()
+        if seen.setdefault(i, value) != value:
+            raise IntegrityError(f"{label}: refined FP8 scale {piece.source} index {i} differs from another "
+                                 f"rank's copy")
+        if piece.axis == 0:
+            os.pwrite(out_fd, value, offset + i * row_bytes)
+        else:
+            for row in range(spec.shape[0]):
+                os.pwrite(out_fd, value[row * size:(row + 1) * size], offset + row * row_bytes + i * size)
+    return nbytes
 
 
 def _narrowed(chunk: memoryview, tensor, spec: TensorSpec, rank_file: Path) -> bytes:

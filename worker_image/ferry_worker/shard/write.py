@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 from ..manifest import BlockHasher, FileEntry, atomic_file
-from .plan import Columns, Constant, PlannedFile, PlannedTensor, Rows, ZeroRows
+from .plan import Columns, Constant, PlannedFile, PlannedTensor, Refined, Rows, ZeroRows
 from .spans import BlockBuffers, Span, piece_span, read_side_by_side, read_span, zeros
 from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize, widen
 
@@ -107,8 +107,23 @@ def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuff
             yield from zeros(piece.count * row_bytes, buffers)
         elif isinstance(piece, Constant):
             yield piece.data
+        elif isinstance(piece, Refined):
+            yield refined_bytes(piece, sources, buffers)
         else:
             raise AssertionError(piece)
+
+
+def refined_bytes(piece: Refined, sources: SourceFiles, buffers: BlockBuffers) -> bytes:
+    """A refined-grid FP8 expert scale piece: the checkpoint scale (one expert's [N/bn, K/bk] float32, a few
+    KiB) read whole, each value repeated over the finer blocks it covers, the rank's slice taken."""
+    import numpy as np
+
+    loc = sources.locations[piece.source]
+    data = b"".join(bytes(c) for c in read_span(sources.fd(piece.source), Span(loc.offset, loc.nbytes), buffers))
+    scale = np.frombuffer(data, dtype=np.uint8).reshape(*loc.shape, itemsize(loc.dtype))
+    fine = scale.repeat(piece.factor[0], axis=0).repeat(piece.factor[1], axis=1)
+    cut = fine[piece.start:piece.stop] if piece.axis == 0 else fine[:, piece.start:piece.stop]
+    return np.ascontiguousarray(cut).tobytes()
 
 
 def _span(piece: Rows | Columns, sources: SourceFiles) -> Span:
