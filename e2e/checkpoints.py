@@ -362,6 +362,7 @@ def naive_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
     args, inputs = group["weights"], group["input_activations"]
     rng = np.random.default_rng(seed + 18)
     out: Weights = {}
+    shared: dict[str, dict] = {}
     for name, (dtype, shape, raw) in weights.items():
         if not fp8_quantized(name, shape, set(quant.get("ignore") or []), routers=False):
             out[name] = (dtype, shape, raw)
@@ -371,9 +372,26 @@ def naive_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
         out[name] = ("I8" if args["type"] == "int" else "F8_E4M3", shape, values.tobytes())
         scale_shape = [rows, 1] if args["strategy"] == "channel" else [1]
         out[stem + "weight_scale"] = (dtype, scale_shape, to_dtype_bytes(rng.uniform(1e-3, 1e-2, scale_shape), dtype))
-        if not inputs.get("dynamic"):
+        if not inputs.get("dynamic") and args["type"] == "int":  # one value per input, as calibration leaves it
+            key = _fused_input(stem)
+            if key not in shared:
+                shared[key] = {"input_scale": (dtype, [1], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), dtype))}
+                if inputs.get("symmetric") is False:
+                    shared[key]["input_zero_point"] = ("I8", [1], rng.integers(-8, 8, [1], dtype=np.int8).tobytes())
+            out.update((stem + suffix, value) for suffix, value in shared[key].items())
+        elif not inputs.get("dynamic"):
             out[stem + "input_scale"] = (dtype, [1], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), dtype))
     return out
+
+
+def _fused_input(stem: str) -> str:
+    """The input a linear module reads: q/k/v read one, gate/up another (INT8 static activations: the parts
+    of a fused module share their calibrated input scale)."""
+    for parts, fused in ((("q_proj.", "k_proj.", "v_proj."), "qkv."), (("gate_proj.", "up_proj."), "gate_up.")):
+        for part in parts:
+            if stem.endswith(part):
+                return stem.removesuffix(part) + fused
+    return stem
 
 
 def int_packed(weights: Weights, config: dict, seed: int = 0) -> Weights:

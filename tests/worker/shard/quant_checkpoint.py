@@ -26,6 +26,14 @@ the file it was in; config.json gains the quantizer's quantization_config):
   the input, symmetric (uint4b8), qzeros the v1 constant zero - 1, scales
   [groups, out], g_idx (i // group, or all 0 per channel).
 
+- compressed-tensors W8A8 (int-quantized, float-quantized) by its naive
+  compressor; INT8 static activations calibrated as llm-compressor's min/max
+  observer does (`"calibrate": true`): transformers runs the bf16 model on
+  fixed token ids, each Linear's input min/max goes through
+  compressed-tensors' `calculate_qparams`, giving input_scale (and
+  input_zero_point when asymmetric) per module, so the parts of a fused
+  module, which read one input, get one value;
+
 - per-tensor FP8 (quant_method "fp8" without weight_block_size, AutoFP8's
   layout): the weight in float8_e4m3fn under a 0-d float32 scale, and a 0-d
   input scale when activations are static.
@@ -71,9 +79,45 @@ def naive_quantized(weight, scheme):
     scale, zero = calculate_qparams(low, high, args)
     state = {"weight": weight, "weight_scale": scale.to(weight.dtype), "weight_zero_point": zero}
     out = NaiveQuantizationCompressor.compress(state, scheme)
-    if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+    if scheme.input_activations is not None and not scheme.input_activations.dynamic and args.type == "float":
         # A static activation scale, as calibration would leave it (its value matters to no loader).
         out["input_scale"] = (w.abs().amax() / 127).reshape(1).to(weight.dtype)
+    return out
+
+
+CALIBRATION_IDS = [[1, 17, 42, 7, 99, 256, 3, 511, 64, 128, 9, 300, 21, 77, 5, 400]]
+
+
+def calibrated_inputs(source: Path, job: dict) -> dict:
+    """module -> {input_scale[, input_zero_point]}: each Linear's input min/max over CALIBRATION_IDS, through
+    compressed-tensors' calculate_qparams (llm-compressor's min/max observer, static per tensor)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    args = QuantizationArgs(**job["input"])
+    model = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.bfloat16)
+    seen: dict[str, list[float]] = {}
+
+    def observe(name):
+        def hook(module, inputs):
+            x = inputs[0].float()
+            low, high = seen.get(name, [0.0, 0.0])
+            seen[name] = [min(low, x.min().item()), max(high, x.max().item())]
+        return hook
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEARS and ".layers." in name:
+            module.register_forward_pre_hook(observe(name))
+    with torch.no_grad():
+        model(torch.tensor(CALIBRATION_IDS) % model.config.vocab_size)
+    out = {}
+    for name, (low, high) in seen.items():
+        scale, zero = calculate_qparams(torch.tensor([low]), torch.tensor([high]), args)
+        out[name] = {"input_scale": scale.reshape(1).to(torch.bfloat16)}
+        if not args.symmetric:
+            out[name]["input_zero_point"] = zero.reshape(1).to(torch.int8)
     return out
 
 
@@ -159,6 +203,7 @@ def main(source: Path, output: Path, job: dict) -> None:
     from safetensors.torch import save_file
 
     quantize, quantization_config = quantizer(job)
+    calibrated = calibrated_inputs(source, job) if job.get("calibrate") else {}
     output.mkdir(parents=True)
     index = {}
     for path in sorted(source.glob("*.safetensors")):
@@ -168,7 +213,7 @@ def main(source: Path, output: Path, job: dict) -> None:
                 tensor = f.get_tensor(name)
                 module, _, leaf = name.rpartition(".")
                 if leaf == "weight" and module.rsplit(".", 1)[-1] in LINEARS:
-                    for key, value in quantize(tensor).items():
+                    for key, value in {**quantize(tensor), **calibrated.get(module, {})}.items():
                         tensors[f"{module}.{key}"] = value.contiguous()
                 else:
                     tensors[name] = tensor

@@ -2,8 +2,9 @@
 int4 weight-only (W4A16: compressed-tensors pack-quantized, symmetric and
 asymmetric; AWQ GEMM with zero points; GPTQ grouped, and one group per channel
 with act-order) and W8A8 (compressed-tensors int-quantized INT8 and
-float-quantized FP8, channel or tensor scales, dynamic activations or FP8's
-static input scales; per-tensor FP8 under quant_method "fp8", AutoFP8's
+float-quantized FP8, channel or tensor scales, dynamic activations or static
+input scales: FP8's per part, INT8's calibrated on the model, symmetric or
+with a zero point, one per fused module; per-tensor FP8 under quant_method "fp8", AutoFP8's
 0-d scales). Ferry's `sharded_state` rank files against what vLLM
 0.32 itself builds in each worker, and the tokens it serves from them.
 
@@ -25,10 +26,11 @@ Llama 3 (TP 2 and 4) and Qwen2 (biases, tied embeddings).
    weights and their scales among them. One process per TP size for every
    checkpoint.
 2. Tokens: vLLM-CPU runs the int4 schemes through its CPUWNA16 kernel and
-   INT8 W8A8 through its int8 GEMM, so for each of the four one engine serves
+   INT8 W8A8 through its int8 GEMM (dynamic, and static with a zero point), so
+   for each of the five one engine serves
    the TP 2 artifact (sharded_state, also comparing its workers' state with
    the default loader's, vllm_generate.py "loaders") and one serves the
-   original with the default loader at TP 2: greedy tokens equal. Eight engine
+   original with the default loader at TP 2: greedy tokens equal. Ten engine
    runs in one process, shared by the token tests. FP8 W8A8 is state only:
    vLLM-CPU's FP8 linear kernels need AMX.
 
@@ -81,13 +83,13 @@ def ct(weights: dict) -> dict:
     return {"method": "compressed-tensors", "weights": weights}
 
 
-def w8a8(kind: str, strategy: str, static: bool = False) -> dict:
-    """compressed-tensors int-quantized / float-quantized: 8-bit weights, per-token dynamic activations or
-    (FP8) a static per-tensor input scale."""
+def w8a8(kind: str, strategy: str, static: bool = False, input_symmetric: bool = True) -> dict:
+    """compressed-tensors int-quantized / float-quantized: 8-bit weights, per-token dynamic activations or a
+    static per-tensor input scale (INT8: calibrated on the model, symmetric or with a zero point)."""
     inputs = ({"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True})
-    return {"method": "compressed-tensors-w8a8",
+    return {"method": "compressed-tensors-w8a8", "calibrate": static and kind == "int",
             "weights": {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True},
-            "input": {"num_bits": 8, "type": kind, "symmetric": True, **inputs}}
+            "input": {"num_bits": 8, "type": kind, "symmetric": input_symmetric, **inputs}}
 
 
 CHECKPOINTS = (
@@ -106,6 +108,8 @@ CHECKPOINTS = (
     Quantized("qwen2-int8-channel", QWEN2, w8a8("int", "channel")),
     Quantized("qwen2-fp8-channel", QWEN2, w8a8("float", "channel")),
     Quantized("llama-fp8-tensor-static", CASE, w8a8("float", "tensor", static=True), tps=(2, 4)),
+    Quantized("llama3-int8-channel-static", LLAMA3, w8a8("int", "channel", static=True), tps=(2, 4)),
+    Quantized("llama-int8-tensor-static-asym", CASE, w8a8("int", "tensor", static=True, input_symmetric=False)),
     # Per-tensor FP8 under quant_method "fp8" (AutoFP8's layout: 0-d float32 scales).
     Quantized("llama-autofp8-static", CASE, {"method": "fp8", "activation_scheme": "static"}, tps=(2, 4)),
     Quantized("qwen2-autofp8-dynamic", QWEN2, {"method": "fp8", "activation_scheme": "dynamic"}),
@@ -118,7 +122,7 @@ W8A8_DTYPES = {"int": "int8", "float": "float8_e4m3fn"}
 # Served from CASE: vLLM-CPU has no attention kernel for the 16-wide heads of the others. FP8 W8A8 is not
 # served: vLLM-CPU's FP8 linear kernels need AMX.
 SERVED = {"compressed-tensors": "llama-w4-g32", "awq": "llama-awq-g32", "gptq": "llama-gptq-g32",
-          "int8": "llama-int8-channel"}
+          "int8": "llama-int8-channel", "int8-static-asym": "llama-int8-tensor-static-asym"}
 RUNS = [(c, tp) for c in CHECKPOINTS for tp in c.tps]
 
 
@@ -202,6 +206,10 @@ def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -
             parts = 3 if "qkv_proj" in key else 2 if "gate_up_proj" in key else 1
             assert shapes[key] == ([rows, 1] if channel else [parts])
             assert (key.replace("weight_scale", "input_scale") in dtypes) is static
+            if static and kind == "int":  # one input scale (and zero point) per module, whatever its parts
+                assert shapes[key.replace("weight_scale", "input_scale")] == [1]
+                zero_point = key.replace("weight_scale", "input_zero_point")
+                assert (dtypes.get(zero_point) == "int8") is not checkpoint.job["input"]["symmetric"]
     header = read_safetensors(next(Path(state["artifact"]).glob("model-rank-0-part-*.safetensors")))
     assert {v[0] for k, v in header.items() if k.endswith("_scale") and "attn" not in k} == {"F32"}
     quantization = state["manifest"]["quantization"]
@@ -212,7 +220,7 @@ def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -
 @pytest.fixture(scope="module")
 def served(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
     """For each method, its TP 2 artifact served by ShardedStateLoader (with its workers' state compared with
-    the default loader's) and the original by the default loader, at TP 2: eight engines in one process."""
+    the default loader's) and the original by the default loader, at TP 2: ten engines in one process."""
     root = tmp_path_factory.mktemp("wna16-served")
     common = {"tp": 2, "pp": 1, "dtype": "bfloat16", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
               "state_dicts": False}

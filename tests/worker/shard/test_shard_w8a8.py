@@ -23,17 +23,17 @@ from ferry_worker.shard.unshard import unshard
 
 
 def w8a8(case: ModelCase, kind: str = "int", strategy: str = "channel", static: bool = False,
-         **weights) -> ModelCase:
+         input_symmetric: bool = True, **weights) -> ModelCase:
     fmt = "int-quantized" if kind == "int" else "float-quantized"
     inputs = {"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True}
+    inputs["symmetric"] = input_symmetric
     config = copy.deepcopy(case.config)
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt, "output_activations": None,
                                       "weights": {"num_bits": 8, "type": kind, "strategy": strategy,
                                                   "symmetric": True, "dynamic": False, **weights},
-                                      "input_activations": {"num_bits": 8, "type": kind, "symmetric": True,
-                                                            **inputs}}},
+                                      "input_activations": {"num_bits": 8, "type": kind, **inputs}}},
         "ignore": ["lm_head"], "kv_cache_scheme": None}
     return ModelCase(f"{case.name}-{kind}8", config, case.dtype, files=2)
 
@@ -75,18 +75,60 @@ def test_widening_is_exact_and_narrowing_refuses_what_was_not_widened(source):
 
 
 @pytest.mark.parametrize("case,words", [
-    (w8a8(LLAMA3, static=True), "INT8 static: vLLM 0.32 keeps one of a fused module's input scales"),
+    (w8a8(LLAMA3, "float", static=True, input_symmetric=False), "asymmetric for INT8 only"),
     (w8a8(LLAMA3, symmetric=False), "vLLM's W8A8 schemes load symmetric channel or tensor weights"),
     (w8a8(LLAMA3, strategy="group", group_size=32), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, block_structure=[16, 16]), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, num_bits=4), "8-bit int values"),
     (w8a8(MIXTRAL), "W8A8 experts are not cut"),
-], ids=["int8-static", "asymmetric", "group", "block-structure", "4-bit", "experts"])
+], ids=["fp8-static-asymmetric", "asymmetric", "group", "block-structure", "4-bit", "experts"])
 def test_what_vllm_would_not_load_or_ferry_could_not_undo_is_refused(make_checkpoint, tmp_path, case, words):
     source, _ = make_checkpoint(case)
     with pytest.raises(ShardError) as refused:
         ShardJob.prepare(source, tmp_path / "out", tp=2)
     assert words in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+INT8_STATIC = [(w8a8(LLAMA3, static=True), 4), (w8a8(QWEN2, "int", "tensor", static=True, input_symmetric=False), 2)]
+
+
+@pytest.mark.parametrize("case,tp", INT8_STATIC, ids=["symmetric-tp4", "asymmetric"])
+def test_int8_static_inputs_keep_one_value_per_fused_module_and_come_back(make_checkpoint, tmp_path, case, tp):
+    """vLLM's CompressedTensorsW8A8Int8 holds one input scale [1] (and zero point, int8) per module, which each
+    part of a fused module overwrites: the rank files hold that one value, widened to float32, and unshard
+    rebuilds every part's from it."""
+    source, _ = make_checkpoint(case)
+    manifest = ShardJob.prepare(source, tmp_path / "cut", tp=tp).run()
+    asymmetric = manifest.extra["quantization"]["inputZeroPoint"]
+    assert manifest.extra["quantization"]["activations"] == "static"
+    unshard(tmp_path / "cut", tmp_path / "back")
+    original = read_checkpoint(source)
+    assert read_checkpoint(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
+    rank = read_safetensors(tmp_path / "cut" / f"model-rank-{tp - 1}-part-0.safetensors")
+    layer = "model.layers.1."
+    for fused, part in (("self_attn.qkv_proj", "self_attn.v_proj"), ("mlp.gate_up_proj", "mlp.up_proj"),
+                        ("mlp.down_proj", "mlp.down_proj")):
+        dtype, shape, raw = rank[f"{layer}{fused}.input_scale"]
+        assert (dtype, shape) == ("F32", [1]) and raw == b"\0\0" + original[f"{layer}{part}.input_scale"][2]
+        assert (f"{layer}{fused}.input_zero_point" in rank) is asymmetric
+        if asymmetric:
+            assert rank[f"{layer}{fused}.input_zero_point"] == ("I8", [1], original[f"{layer}{part}.input_zero_point"][2])
+
+
+def test_int8_static_parts_with_different_input_scales_are_refused(make_checkpoint, tmp_path):
+    """vLLM would quantize q's and k's inputs with v's scale without a word, and unshard could not rebuild
+    theirs: refused before a byte is written, naming the parts."""
+    source, weights = make_checkpoint(w8a8(LLAMA3, static=True))
+    name = "model.layers.0.self_attn.k_proj.input_scale"
+    dtype, shape, raw = weights[name]
+    weights[name] = (dtype, shape, bytes([raw[0] ^ 1]) + raw[1:])
+    for path in source.glob("*.safetensors"):
+        path.unlink()
+    write_weights(source, weights, 2)
+    with pytest.raises(ShardError, match=r"model.layers.0.self_attn.q_proj.input_scale, .*k_proj.input_scale, "
+                                         r".*v_proj.input_scale differ.*fused model.layers.0.self_attn.qkv_proj"):
+        ShardJob.prepare(source, tmp_path / "out", tp=2).run()
     assert not (tmp_path / "out").exists()
 
 

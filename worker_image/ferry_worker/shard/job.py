@@ -26,7 +26,7 @@ from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
 from .spans import BlockBuffers, piece_span, read_span
 from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION, parse_vllm_version
-from . import intpack, wna16
+from . import intpack, w8a8, wna16
 from .write import SourceFiles, header_for, write_rank_files
 
 # vLLM's save_sharded_state example splits parts at 5 GiB by default.
@@ -76,6 +76,7 @@ class ShardJob:
         jobs = jobs or max(4, 2 * (os.cpu_count() or 1))
         self._check_tied_copies()
         self._check_weight_shapes()
+        self._check_shared_inputs()
         self.output.mkdir(parents=True, exist_ok=True)
         entries = [self._copy_companion(path, on_bytes) for path in self.companions]
         entries += write_rank_files(self.plan.files, self.output, self.checkpoint.tensors, jobs=jobs,
@@ -136,6 +137,27 @@ class ShardJob:
                     raise ShardError(f"{name} does not hold the shape of its packed weight {list(wanted)} "
                                      f"(weight_packed x {self.plan.quant.pack}); the checkpoint is inconsistent")
 
+    def _check_shared_inputs(self) -> None:
+        """INT8 static activations: the parts of each fused module must hold the same input scale (and zero
+        point), stored alike: vLLM keeps only the part it loads last, and unshard rebuilds the others from it."""
+        if not (isinstance(self.plan.quant, w8a8.W8A8) and self.plan.quant.shared_input):
+            return
+        buffers, tensors = BlockBuffers(), self.checkpoint.tensors
+        with SourceFiles(tensors) as sources:
+            for fused, parts in w8a8.fused_parts(tensors).items():
+                values = {}
+                for name in parts:
+                    loc = tensors[name]
+                    data = b"".join(read_span(sources.fd(name), piece_span(Rows(name, 0, loc.shape[0]), loc.offset,
+                                                                           loc.dtype, loc.shape), buffers))
+                    values[name] = (loc.dtype, loc.shape, data)
+                if len(set(values.values())) > 1:
+                    raise ShardError(f"{', '.join(parts)} differ (dtype, shape or value); vLLM 0.32 loads one "
+                                     f"{fused.rsplit('.', 1)[1]} for the fused {fused.rsplit('.', 1)[0]} and keeps "
+                                     f"the part it reads last, so it would quantize every part's input with that "
+                                     f"one: calibrate the parts together (they read the same input, and "
+                                     f"llm-compressor gives them one value) or serve with format.type safetensors")
+
     def _rewritten(self, path: Path) -> bytes | None:
         """The artifact's own config.json where it must say more than the checkpoint's (a GPTQ checkpoint's
         quantized modules: intpack.IntPacked.artifact_config); None: the file is copied as it is."""
@@ -167,14 +189,20 @@ class ShardJob:
             "maxPartSize": self.max_part_size,
             "ppLayerPartition": [end - start for start, end in plan.layer_ranges],
             "rankFiles": _rank_files(plan),
-            # The file only where the cut depends on vLLM's reading order (a pack-quantized weight_shape).
             "sourceTensors": {name: {"dtype": spec.dtype, "shape": list(spec.shape),
-                                     **({"file": spec.file} if wna16.role(name) == "shape" else {})}
+                                     **({"file": spec.file} if self._read_in_order(name) else {})}
                               for name, spec in sorted(self.checkpoint.specs.items())},
             "skippedTensors": dict(plan.skipped) | {c: f"tied copy of {t}" for c, t in plan.tied_copies.items()},
             **plan.moe_facts(),
             **plan.quant_facts(),
         }
+
+
+    def _read_in_order(self, name: str) -> bool:
+        """Whether the cut of `name` depends on the order vLLM reads the files in (one of a fused module's
+        parts kept: pack-quantized weight_shape, INT8 static input scales)."""
+        shared = isinstance(self.plan.quant, w8a8.W8A8) and self.plan.quant.shared_input
+        return wna16.role(name) == "shape" or (shared and name.endswith(w8a8.SHARED_SUFFIXES))
 
 
 def _rank_files(plan: ShardPlan) -> dict[str, list[str]]:

@@ -39,7 +39,7 @@ from .spans import BlockBuffers, Span, piece_span, read_span, write_span
 from .model import ShardError
 from .tensors import HeaderEntry, encode_header, itemsize, narrow
 from .versions import parse_vllm_version
-from . import wna16
+from . import w8a8, wna16
 
 UNSHARDED_NAME = "model.safetensors"
 
@@ -56,7 +56,8 @@ def unshard(artifact: Path, output: Path) -> Manifest:
     rebuilt = sorted({p.source for f in plan.files for t in f.tensors for p in t.pieces
                       if isinstance(p, (Rows, Columns, Refined))})
     derived = _derived(plan, specs, rebuilt)
-    order = sorted([*rebuilt, *derived], key=lambda n: -itemsize(specs[n].dtype))
+    shared = _shared(plan, specs, rebuilt)
+    order = sorted([*rebuilt, *derived, *shared], key=lambda n: -itemsize(specs[n].dtype))
     header = encode_header(HeaderEntry(n, specs[n].dtype, specs[n].shape) for n in order)
     offsets, position = {}, len(header)
     for name in order:
@@ -74,6 +75,8 @@ def unshard(artifact: Path, output: Path) -> Manifest:
         coverage.check_complete(specs, rebuilt)
         for name, data in derived.items():
             os.pwrite(out.fileno(), data, offsets[name])
+        for name, kept in _shared(plan, specs, rebuilt).items():  # the parts vLLM's one input scale stands for
+            os.pwrite(out.fileno(), os.pread(out.fileno(), specs[kept].nbytes, offsets[kept]), offsets[name])
     entries = [FileEntry(UNSHARDED_NAME, position, sha256_file(output / UNSHARDED_NAME))]
     for entry in manifest.files:
         if entry.path not in rank_files:
@@ -94,6 +97,21 @@ def _derived(plan: ShardPlan, specs: dict[str, TensorSpec], rebuilt: list[str]) 
         return {}
     return {name: wna16.shape_bytes(wna16.unpacked_shape(specs, name, plan.quant)) for name in specs
             if wna16.role(name) == "shape" and name not in rebuilt}
+
+
+def _shared(plan: ShardPlan, specs: dict[str, TensorSpec], rebuilt: list[str]) -> dict[str, str]:
+    """INT8 static input scales and zero points no rank file holds -> the part of the same fused module that
+    one does: ShardJob wrote the artifact only where all parts held the same dtype, shape and bytes."""
+    if not (isinstance(plan.quant, w8a8.W8A8) and plan.quant.shared_input):
+        return {}
+    kept = set(rebuilt)
+    shared = {}
+    for parts in w8a8.fused_parts(specs).values():
+        held = [p for p in parts if p in kept]
+        if len(held) != 1:
+            raise IntegrityError(f"{', '.join(parts)}: the rank files hold {len(held)} of them, not one")
+        shared.update((p, held[0]) for p in parts if p != held[0])
+    return shared
 
 
 def _replan(artifact: Path, manifest: Manifest) -> ShardPlan:

@@ -10,7 +10,11 @@ create_weights registers, for a linear module `X` with `out` rows on the rank
 - `X.weight_scale`  float32 [out, 1] (channel: cut with the weight's rows,
   whole on every rank of a row-parallel cut), or [parts] (tensor:
   PerTensorScaleParameter, one scale per logical part);
-- `X.input_scale`   float32 [parts] (FP8 with static activations).
+- `X.input_scale`   float32 [parts] (FP8 with static activations:
+  PerTensorScaleParameter); float32 [1] for INT8 (a BasevLLMParameter that
+  every part of a fused module overwrites: vLLM keeps the part it loads last);
+- `X.input_zero_point` int8 [1] (INT8 static asymmetric activations; the same
+  rule), registered before `input_scale`.
 
 Scales are allocated float32 whatever the checkpoint stores (llm-compressor
 writes them in the model dtype), so the cut widens them on the way (`cast`):
@@ -18,9 +22,15 @@ bf16 and fp16 widen to float32 exactly, and `unshard` narrows them back,
 checking that nothing was lost. Attention gains the KV-cache method's six
 one-element parameters, as for every compressed-tensors scheme.
 
-Refused by name: INT8 with static activations (vLLM 0.32 keeps only the last
-of a fused module's input scales, so the cut could not be undone), asymmetric
-weights, groups and blocks (other schemes), KV-cache schemes and experts.
+INT8 static activations are cut only where the parts of each fused module
+(q/k/v, gate/up) hold the same input scale and zero point, as calibration
+leaves them (the parts read the same input): otherwise vLLM would quantize
+every part's input with the last part's scale, and `unshard` could not
+rebuild the others. ShardJob checks it before writing; `unshard` rebuilds the
+other parts from the one the rank files hold (`fused_parts`).
+
+Refused by name: asymmetric weights, asymmetric FP8 activations, groups and
+blocks (other schemes), KV-cache schemes and experts.
 """
 from __future__ import annotations
 
@@ -28,11 +38,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
+from .fp8 import PACKED, follow_linears, per_part_scale, refuse_experts_and_fused, skipped_module
 from .fp8 import WEIGHT_DTYPE as FP8_DTYPE
-from .fp8 import follow_linears, per_part_scale, refuse_experts_and_fused, skipped_module
-from .layouts import Family, Param
+from .layouts import Family, Param, Source, Split
 from .model import ShardError
-from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, _ignored
+from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, WHOLE, _ignored
 
 FORMATS = {"int-quantized": "int", "float-quantized": "float"}
 SCALE_DTYPE = "F32"
@@ -46,8 +56,14 @@ class W8A8:
 
     kind: str  # "int" (INT8) or "float" (FP8 E4M3)
     channel: bool  # weight scales per output channel (else one per tensor)
-    static_input: bool  # a checkpoint input scale per module (FP8 only)
+    static_input: bool  # a checkpoint input scale per module
     ignored: frozenset[str] = frozenset()
+    input_zero_point: bool = False  # INT8 static asymmetric activations
+
+    @property
+    def shared_input(self) -> bool:
+        """One input scale (and zero point) per module, whichever part vLLM loads last (INT8 static)."""
+        return self.static_input and self.kind == "int"
 
     @property
     def weight_dtype(self) -> str:
@@ -60,10 +76,11 @@ class W8A8:
         return {"method": "compressed-tensors", "format": next(f for f, k in FORMATS.items() if k == self.kind),
                 "bits": 8, "type": self.kind, "strategy": "channel" if self.channel else "tensor",
                 "activations": "static" if self.static_input else "dynamic", "zeroPoint": False,
-                "actOrder": False, "scaleDtype": SCALE_DTYPE}
+                "inputZeroPoint": self.input_zero_point, "actOrder": False, "scaleDtype": SCALE_DTYPE}
 
     def role(self, name: str) -> str | None:
-        return {"weight_scale": "scale", "input_scale": "scale"}.get(name.rsplit(".", 1)[-1])
+        return {"weight_scale": "scale", "input_scale": "scale", "input_zero_point": "zero"}.get(
+            name.rsplit(".", 1)[-1])
 
     def check_dtypes(self, tensors: Mapping[str, str], roles: Mapping[str, str], model_dtype: str,
                      quantized: set[str] = frozenset()) -> None:
@@ -72,9 +89,14 @@ class W8A8:
                     if name in tensors and tensors[name] != self.weight_dtype]
         # An 8-bit tensor the config leaves unquantized: vLLM would allocate the model dtype and cast the codes.
         problems += [f"{name} is {dtype}, but config.json does not quantize it (ignore)" for name, dtype
-                     in sorted(tensors.items()) if dtype in ("I8", FP8_DTYPE) and name not in quantized]
+                     in sorted(tensors.items()) if dtype in ("I8", FP8_DTYPE) and name not in quantized
+                     and roles.get(name) != "zero"]
         problems += [f"{name} is {tensors[name]}, expected one of {', '.join(CASTABLE)}"
-                     for name in sorted(roles) if name in tensors and tensors[name] not in CASTABLE]
+                     for name, role in sorted(roles.items()) if role == "scale" and name in tensors
+                     and tensors[name] not in CASTABLE]
+        problems += [f"{name} is {tensors[name]}, expected I8 (vLLM allocates the activation zero point int8)"
+                     for name, role in sorted(roles.items()) if role == "zero" and name in tensors
+                     and tensors[name] != "I8"]
         if problems:
             shown = "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
             raise ShardError(f"checkpoint dtypes do not match its compressed-tensors W8A8 quantization: {shown}")
@@ -116,17 +138,17 @@ def w8a8(qc: dict, fmt: str) -> W8A8:
                          f"tensor weights (groups and blocks are other schemes)")
     where = f"config.json: config_groups.{name}.input_activations"
     inputs = _args(where, group.get("input_activations"), kind)
-    if inputs.get("dynamic") is True and inputs.get("strategy") == "token":
+    symmetric = inputs.get("symmetric", True)
+    if inputs.get("dynamic") is True and inputs.get("strategy") == "token" and symmetric:
         static = False
-    elif inputs.get("dynamic") in (False, None) and inputs.get("strategy") == "tensor" and kind == "float" \
-            and inputs.get("symmetric", True) is True:
+    elif inputs.get("dynamic") in (False, None) and inputs.get("strategy") == "tensor" \
+            and (symmetric or kind == "int"):
         static = True
     else:
-        raise ShardError(f"{where}: dynamic {inputs.get('dynamic')!r} with strategy {inputs.get('strategy')!r}; "
-                         f"ferry shard cuts per-token dynamic activations, and for FP8 static symmetric "
-                         f"per-tensor ones (INT8 static: vLLM 0.32 keeps one of a fused module's input scales, so "
-                         f"the cut could not be undone)")
-    return W8A8(kind, weights["strategy"] == "channel", static, _ignored(qc))
+        raise ShardError(f"{where}: dynamic {inputs.get('dynamic')!r} with strategy {inputs.get('strategy')!r}, "
+                         f"symmetric {symmetric!r}; ferry shard cuts symmetric per-token dynamic activations and "
+                         f"static per-tensor ones (asymmetric for INT8 only)")
+    return W8A8(kind, weights["strategy"] == "channel", static, _ignored(qc), input_zero_point=not symmetric)
 
 
 def _args(where: str, args, kind: str) -> dict:
@@ -159,5 +181,33 @@ def with_scales(family: Family, quant: W8A8) -> Family:
                                     weight=s.hf_name, cast=SCALE_DTYPE) for s in param.sources))]
         else:
             out = [per_part_scale(param, "weight_scale", SCALE_DTYPE)]
+        if quant.shared_input:
+            return out + [_last_part(param, "input_zero_point")] * quant.input_zero_point + [
+                _last_part(param, "input_scale", SCALE_DTYPE)]
         return out + ([per_part_scale(param, "input_scale", SCALE_DTYPE)] if quant.static_input else [])
     return follow_linears(family, scales)
+
+
+def _last_part(param: Param, suffix: str, cast: str | None = None) -> Param:
+    """`<module>.<suffix>` [1]: one value for the whole module, from the part vLLM loads last (WHOLE)."""
+    return dataclasses.replace(param, name=param.name.removesuffix("weight") + suffix, sources=tuple(
+        Source(s.hf_name.removesuffix("weight") + suffix, ("1",), Split.REPLICATED, block=WHOLE, weight=s.hf_name,
+               cast=cast) for s in param.sources))
+
+
+SHARED_SUFFIXES = ("input_scale", "input_zero_point")
+
+
+def fused_parts(names) -> dict[str, list[str]]:
+    """The INT8 static input scales and zero points of each fused module's parts among `names`, by the
+    fused module's name (e.g. `...self_attn.qkv_proj.input_scale` -> the q, k and v ones): the values vLLM
+    loads one of, which must agree."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        fused = next((f for f, parts in PACKED.items() if proj in parts), None)
+        if suffix in SHARED_SUFFIXES and fused:
+            groups.setdefault(f"{prefix}.{fused}.{suffix}", []).append(name)
+    order = {part: i for parts in PACKED.values() for i, part in enumerate(parts)}
+    return {fused: sorted(parts, key=lambda n: order[n.rsplit(".", 2)[1]]) for fused, parts in groups.items()}
