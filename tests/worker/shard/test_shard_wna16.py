@@ -20,6 +20,9 @@ WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "s
            "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
 
 
+ATTENTION = tuple(f"model.layers.{i}.self_attn.{m}_proj" for i in range(3) for m in "qkvo")
+
+
 def packed(case: ModelCase, files: int = 1, ignore=("lm_head",), group: dict | None = None, top: dict | None = None,
            **weights) -> ModelCase:
     config = copy.deepcopy(case.config)
@@ -72,7 +75,9 @@ def test_a_weight_shape_that_contradicts_its_packed_weight_is_refused(make_check
     (packed(LLAMA3, ignore=["re:.*self_attn.*"]), 2, "ignore holds patterns"),
     (packed(LLAMA3, num_bits=3), 2, "pack-quantized is int4 or int8"),
     (packed(LLAMA3, surprise=1), 2, "keys ferry shard does not know \\(surprise\\)"),
-    (packed(MIXTRAL), 2, "compressed-tensors experts are not cut by ferry shard yet"),
+    # Experts at TP 4: 64 expert rows per rank, not whole 128-input groups of w2 (vLLM refuses it at load).
+    (packed(MIXTRAL, group_size=128, ignore=("lm_head", *ATTENTION)), 4,
+     r"w2_weight_scale at tensor parallel size 4: rank 0 would hold columns \[0, 64\).*128-wide"),
     (packed(LLAMA3, num_bits=4.0), 2, "pack-quantized is int4 or int8"),
     # vLLM allocates in // pack words and in // group scales: 128 inputs are not whole 48-input groups.
     (packed(LLAMA3, group_size=48), 2, r"q_proj.weight_scale: its weight has 128 columns, not a multiple of the "
@@ -86,6 +91,42 @@ def test_what_cannot_be_cut_is_refused_before_a_byte_is_written(make_checkpoint,
     with pytest.raises(ShardError, match=message):
         ShardJob.prepare(source, tmp_path / "out", tp=tp)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case, expert_parallel", [
+    (packed(MIXTRAL), False), (packed(MIXTRAL, symmetric=False), True),
+    (packed(MIXTRAL, strategy="channel", group_size=None), False),
+], ids=["tp2", "asymmetric-ep2", "channel"])
+def test_experts_are_stacked_n_first_and_come_back_bit_for_bit(make_checkpoint, tmp_path, case, expert_parallel):
+    """FusedMoE's int4 stacks (CompressedTensorsWNA16MoEMethod): each expert's packed gate and up rows cut like
+    a dense gate_up, down's packed columns like a dense down_proj, and each expert's weight_shape [2] in the
+    model dtype (bf16 here), from the part vLLM loads last; unshard narrows those back to int64."""
+    from ferry_worker.shard.experts import MoeTarget
+
+    source, _ = make_checkpoint(case)
+    ShardJob.prepare(source, tmp_path / "cut", tp=2, moe=MoeTarget(expert_parallel=expert_parallel)).run()
+    unshard(tmp_path / "cut", tmp_path / "back")
+    original, back = read_checkpoint(source), read_checkpoint(tmp_path / "back")
+    assert back == {k: v for k, v in original.items() if "rotary" not in k}
+    rank = read_safetensors(tmp_path / "cut" / "model-rank-1-part-0.safetensors")
+    stack = "model.layers.0.block_sparse_moe.experts.routed_experts."
+    experts, rows = (2, 256) if expert_parallel else (4, 128)  # Mixtral here: intermediate 256, hidden 128
+    assert rank[stack + "w13_weight_packed"][:2] == ("I32", [experts, 2 * rows, 128 // 8])
+    assert rank[stack + "w2_weight_packed"][:2] == ("I32", [experts, 128, rows // 8])
+    assert rank[stack + "w13_weight_shape"][:2] == ("BF16", [experts, 2])
+    import numpy as np
+    shapes = np.frombuffer(rank[stack + "w13_weight_shape"][2], dtype="<u2").astype("<u4") << 16
+    assert shapes.view("<f4").tolist() == [256.0, 128.0] * experts  # the whole checkpoint shape, not the rank's
+    assert (stack + "w13_weight_zero_point" in rank) is expert_parallel  # the asymmetric case
+
+
+@pytest.mark.parametrize("value, dtype, exact", [
+    (768, "BF16", True), (14336, "BF16", True), (257, "BF16", False), (2049, "F16", False), (2049, "F32", True),
+])
+def test_experts_weight_shape_must_be_exact_in_the_model_dtype(value, dtype, exact):
+    from ferry_worker.shard.tensors import exactly_representable
+
+    assert exactly_representable(value, dtype) is exact
 
 
 def test_an_ignored_module_keeps_its_unquantized_weight(make_checkpoint, tmp_path):

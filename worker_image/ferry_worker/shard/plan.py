@@ -225,8 +225,9 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     _check_quantized_dtypes(family, dims, flags, tensors, layers, skipped)
     tied_copies = _check_sources(family, dims, flags, tensors, layers, skipped)
     ranges = pp_layer_ranges(dims.layers, pp, pp_layer_partition)
-    cutter = _Cutter(dims, tp, tensors, moe, refine)
     model_dtype = _model_dtype(family, dims, tensors)
+    _check_exact_shapes(family, dims, layers, model_dtype)
+    cutter = _Cutter(dims, tp, tensors, moe, refine, model_dtype)
     files = []
     for pp_rank, layer_range in enumerate(ranges):
         params = _stage_params(family, dims, flags, vllm, layers, layer_range, model_dtype,
@@ -268,6 +269,20 @@ def _with_quantized_params(family: Family, quant: Quantization) -> Family:
     if isinstance(quant, w8a8.W8A8):
         return w8a8.with_scales(family, quant)
     return wna16.with_packed(family, quant)
+
+
+def _check_exact_shapes(family: Family, dims: ModelDims, layers: "_Layers", model_dtype: str) -> None:
+    """Pack-quantized experts: vLLM copies each expert's int64 weight_shape into a parameter of the model
+    dtype, which must hold the sizes exactly (else vLLM holds a rounded shape the cut could not undo)."""
+    if not (isinstance(layers.quant, wna16.PackQuantized) and family.is_moe):
+        return
+    from .tensors import exactly_representable
+
+    for symbol in ("moe_intermediate", "hidden"):
+        if not exactly_representable(dims.size(symbol), model_dtype):
+            raise ShardError(f"config.json: {_config_words(family, symbol)} {dims.size(symbol)} is not exactly a "
+                             f"{model_dtype} value, and vLLM keeps the experts' weight_shape in {model_dtype}; "
+                             f"ferry shard does not write the rounded shape: serve with format.type safetensors")
 
 
 def _model_dtype(family: Family, dims: ModelDims, tensors: Mapping[str, TensorSpec]) -> str:
@@ -558,8 +573,9 @@ class _Cutter:
     """Cuts one parameter for one tensor-parallel rank."""
 
     def __init__(self, dims: ModelDims, tp: int, tensors: Mapping[str, TensorSpec], moe: MoeTarget,
-                 refine: tuple[int, int] | None = None):
+                 refine: tuple[int, int] | None = None, model_dtype: str = ""):
         self.dims, self.tp, self.tensors, self.moe, self.refine = dims, tp, tensors, moe, refine
+        self.model_dtype = model_dtype
 
     def cut(self, entry: _Entry, rank: int) -> PlannedTensor:
         if not entry.sources:  # an attention scale: a constant
@@ -639,6 +655,8 @@ class _Cutter:
         return Rows(scale.hf_name, start, stop) if isinstance(piece, Rows) else Columns(scale.hf_name, start, stop)
 
     def _dtype(self, name: str, sources: tuple[Source, ...]) -> str:
+        if sources[0].cast == wna16.MODEL_DTYPE:  # experts' int64 weight_shape, in the model dtype
+            return self.model_dtype
         if sources[0].cast:  # widened on the way (w8a8: the checkpoint's dtypes were checked castable)
             return sources[0].cast
         dtypes = {self.tensors[s.hf_name].dtype for s in sources}

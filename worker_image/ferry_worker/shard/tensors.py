@@ -87,12 +87,31 @@ def encode_header(entries: Iterable[HeaderEntry]) -> bytes:
 _NARROW = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}
 
 
+def exactly_representable(value: int, dtype: str) -> bool:
+    """Whether the integer `value` is exactly a `dtype` (BF16, F16, F32) value."""
+    import numpy as np
+
+    if dtype not in _NARROW or not -(1 << 24) <= value <= 1 << 24:
+        return False
+    f = np.array([value], dtype="<f4")
+    if dtype == "BF16":
+        return not (f.view("<u4") & 0xFFFF).any()
+    return int(f.astype(_NARROW[dtype])[0]) == value
+
+
 def widen(chunk, source: str, target: str) -> bytes:
-    """`chunk` (whole elements of `source`) as `target` (F32): bf16 is the high half of a float32."""
+    """`chunk` (whole elements of `source`) as `target` (F32): bf16 is the high half of a float32. An int64
+    chunk (pack-quantized experts' weight_shape) becomes `target` (BF16, F16, F32) where each value is exact."""
     import numpy as np
 
     if source == target:
         return bytes(chunk)
+    if source == "I64":
+        ints = np.frombuffer(chunk, dtype="<i8")
+        if target not in _NARROW or not all(exactly_representable(int(v), target) for v in ints):
+            raise SafetensorsError(f"int64 values {ints[:4].tolist()} are not exactly {target} values")
+        f = ints.astype("<f4")
+        return (f.view("<u4") >> 16).astype("<u2").tobytes() if target == "BF16" else f.astype(_NARROW[target]).tobytes()
     if target != "F32" or source not in _NARROW:
         raise SafetensorsError(f"cannot widen {source} to {target}")
     if source == "BF16":
@@ -106,6 +125,13 @@ def narrow(chunk, stored: str, source: str) -> bytes:
 
     if stored == source:
         return bytes(chunk)
+    if source == "I64" and stored in _NARROW:  # back from the experts' weight_shape in the model dtype
+        words = np.frombuffer(chunk, dtype="<u2").astype("<u4") << 16 if stored == "BF16" else None
+        values = words.view("<f4") if words is not None else np.frombuffer(chunk, dtype=_NARROW[stored]).astype("<f4")
+        ints = values.astype("<i8")
+        if not np.array_equal(ints.astype("<f4"), values):
+            raise SafetensorsError(f"a {stored} weight_shape value is not an integer")
+        return ints.tobytes()
     if stored != "F32" or source not in _NARROW:
         raise SafetensorsError(f"cannot narrow {stored} to {source}")
     values = np.frombuffer(chunk, dtype="<f4")

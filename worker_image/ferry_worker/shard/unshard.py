@@ -199,20 +199,22 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
                 spec = specs[piece.source]
                 dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
                 # Along dim 1 a piece is a run in each of the tensor's rows; `position` is its first byte. A
-                # widened scale (w8a8) takes `wider` times its source bytes.
-                wider = itemsize(tensor.dtype) // itemsize(spec.dtype)
+                # widened scale (w8a8) takes its dtype's bytes per source element, as does an experts'
+                # weight_shape held in the model dtype.
+                nbytes = dest.nbytes * itemsize(tensor.dtype) // itemsize(spec.dtype)
                 here = (Span(position, dest.length, dest.count, row_bytes) if tensor.axis == 1
-                        else Span(position, dest.nbytes * wider))
+                        else Span(position, nbytes))
                 earlier = coverage.first_copy(piece.source, piece, rank_file, here)
                 if earlier is None:
                     written = 0
                     for chunk in read_span(fd, here, buffers):
-                        data = chunk if wider == 1 else memoryview(_narrowed(chunk, tensor, spec, rank_file))
+                        same = tensor.dtype == spec.dtype
+                        data = chunk if same else memoryview(_narrowed(chunk, tensor, spec, rank_file))
                         write_span(out_fd, dest, data, written)
                         written += len(data)
                 else:
                     _check_replica(fd, here, *earlier, buffers, other, f"{tensor.name} in {rank_file.name}")
-                position += dest.length if tensor.axis == 1 else dest.nbytes * wider
+                position += dest.length if tensor.axis == 1 else nbytes
             elif isinstance(piece, Refined):
                 position += _unrefine(fd, position, piece, specs[piece.source], offsets[piece.source], out_fd,
                                       coverage, f"{tensor.name} in {rank_file.name}")

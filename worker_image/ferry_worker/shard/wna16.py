@@ -17,7 +17,17 @@ module `X` with `out` rows and `in` columns on the rank:
 
 Each is a block tensor of the unpacked weight (plan.py cuts it with the
 weight's cut, in whole blocks), and Attention gains the KV-cache method's six
-one-element parameters (`attention_params`). A cut that splits a group or an
+one-element parameters (`attention_params`).
+
+Experts (compressed_tensors_moe_wna16.py, CompressedTensorsWNA16MoEMethod):
+FusedMoE stacks the same tensors N-first, `w13_weight_packed` [E, 2 x I_rank,
+hidden / pack], `w2_weight_packed` [E, hidden, I_rank / pack], their
+`weight_scale` and `weight_zero_point` cut like a dense gate_up / down, and
+`w13_weight_shape` / `w2_weight_shape` [E, 2] in the model dtype (allocated by
+torch's default dtype, each expert's checkpoint int64 [2] copied in: for w13
+the part loaded last). vLLM picks a kernel for them when the layer is built
+(CPU: AMX only); the state before post-load processing is the kernel's
+input whatever it is. A cut that splits a group or an
 int32 is refused before anything is written, naming the tensor and the block.
 """
 from __future__ import annotations
@@ -34,6 +44,7 @@ from .model import ShardError
 from .tensors import itemsize
 
 PACKED_DTYPE, SHAPE_DTYPE = "I32", "I64"
+MODEL_DTYPE = "model"  # Source.cast: the checkpoint's model dtype, resolved by plan.py (experts' weight_shape)
 WHOLE = (0, 0)  # the block of a tensor a rank holds whole, from one of its parts (weight_shape)
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
@@ -159,9 +170,9 @@ def _ignored(qc: dict) -> frozenset[str]:
 def with_packed(family: Family, quant: PackQuantized) -> Family:
     """The family's layer tables with each linear weight followed by its packed tensors (held where the
     module is quantized; the weight itself only where it is not)."""
-    if family.is_moe:
-        raise ShardError(f"{family.name}: compressed-tensors experts are not cut by ferry shard yet; serve this "
-                         f"checkpoint with format.type safetensors")
+    if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
+        raise ShardError(f"{family.name}: a checkpoint whose modules are already fused is not cut for "
+                         f"compressed-tensors by ferry shard yet; serve it with format.type safetensors")
     return follow_linears(family, lambda param: _packed_params(param, quant), replaced=True)
 
 
@@ -175,9 +186,10 @@ def _packed_params(param: Param, quant: PackQuantized) -> list[Param]:
         return dataclasses.replace(param, name=stem + suffix, sources=sources, replaced_when_quantized=False)
 
     # Every part's [2] weight_shape, of which a rank holds the one vLLM loads last (plan.py picks it: WHOLE).
+    # Experts: one [2] per expert in the model dtype ([E, 2]).
     shape = dataclasses.replace(param, name=stem + "weight_shape", replaced_when_quantized=False, sources=tuple(
         Source(s.hf_name.removesuffix("weight") + "weight_shape", ("2",), Split.REPLICATED, block=WHOLE,
-               weight=s.hf_name) for s in param.sources))
+               weight=s.hf_name, cast=MODEL_DTYPE if param.experts else None) for s in param.sources))
     out = [blocks("weight_packed", (1, quant.pack)), blocks("weight_scale", (1, quant.group)), shape]
     if not quant.symmetric:
         out.append(blocks("weight_zero_point", (quant.pack, quant.group)))
