@@ -123,6 +123,11 @@ CHECKPOINTS = (
     Quantized("mixtral-w4-g32-asym", MIXTRAL, ct({**GROUP32, "symmetric": False}), expert_parallel=True),
     Quantized("mixtral-w4-channel", MIXTRAL, ct({"num_bits": 4, "strategy": "channel", "symmetric": True})),
     Quantized("qwen3moe-w4-g32", QWEN3_MOE, {**ct(GROUP32), "ignore": [f"model.layers.{i}.mlp.gate" for i in (1, 2)]}),
+    # 8-bit experts: W8A8 channel scales with dynamic per-token activations (INT8, FP8), AutoFP8 per tensor.
+    Quantized("mixtral-int8-channel", MIXTRAL, w8a8("int", "channel"), expert_parallel=True),
+    Quantized("mixtral-fp8-channel", MIXTRAL, w8a8("float", "channel"), expert_parallel=True),
+    Quantized("mixtral-autofp8-dynamic", MIXTRAL, {"method": "fp8", "activation_scheme": "dynamic"},
+              expert_parallel=True),
 )
 # The state_dict keys of one quantized linear module, by method: the quantized weight, its scales (and dtype),
 # the other.
@@ -218,13 +223,16 @@ def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -
     for worker in workers:
         shapes = {k: v[0] for k, v in worker["default"].items()}
         dtypes = {k: v[1] for k, v in worker["default"].items()}
-        scales = [k for k in dtypes if k.endswith(".weight_scale")]
-        assert len(scales) == 4 * checkpoint.base.config["num_hidden_layers"]
+        scales = [k for k in dtypes if k.endswith((".weight_scale", ".w13_weight_scale", ".w2_weight_scale"))]
+        assert len(scales) == 4 * checkpoint.base.config["num_hidden_layers"]  # MoE: w13 and w2 for gate_up, down
         for key in scales:
             assert dtypes[key.replace("weight_scale", "weight")] == W8A8_DTYPES[kind] and dtypes[key] == "float32"
-            rows = shapes[key.replace("weight_scale", "weight")][0]
-            parts = 3 if "qkv_proj" in key else 2 if "gate_up_proj" in key else 1
-            assert shapes[key] == ([rows, 1] if channel else [parts])
+            weight = shapes[key.replace("weight_scale", "weight")]
+            parts = 3 if "qkv_proj" in key else 2 if "gate_up_proj" in key or "w13_" in key else 1
+            if "experts" in key:  # FusedMoE's stacks: [E, rows, 1] per channel, [E, 2] / [E] per tensor
+                assert shapes[key] == ([*weight[:2], 1] if channel else [weight[0], parts][:1 + (parts > 1)])
+                continue
+            assert shapes[key] == ([weight[0], 1] if channel else [parts])
             assert (key.replace("weight_scale", "input_scale") in dtypes) is static
             if static and kind == "int":  # one input scale (and zero point) per module, whatever its parts
                 assert shapes[key.replace("weight_scale", "input_scale")] == [1]

@@ -38,6 +38,12 @@ def w8a8(case: ModelCase, kind: str = "int", strategy: str = "channel", static: 
     return ModelCase(f"{case.name}-{kind}8", config, case.dtype, files=2)
 
 
+def fp8_tensor(case: ModelCase, scheme: str) -> ModelCase:
+    config = copy.deepcopy(case.config)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme, "ignored_layers": ["lm_head"]}
+    return ModelCase(f"{case.name}-fp8-tensor", config, case.dtype, files=2)
+
+
 @pytest.mark.parametrize("case,tp", [
     (w8a8(LLAMA3), 4), (w8a8(QWEN2, strategy="tensor"), 2), (w8a8(LLAMA3, "float", "tensor", static=True), 4),
     (w8a8(QWEN2, "float"), 2),
@@ -80,7 +86,7 @@ def test_widening_is_exact_and_narrowing_refuses_what_was_not_widened(source):
     (w8a8(LLAMA3, strategy="group", group_size=32), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, block_structure=[16, 16]), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, num_bits=4), "8-bit int values"),
-    (w8a8(MIXTRAL), "W8A8 experts are not cut"),
+    (w8a8(MIXTRAL, strategy="tensor"), "W8A8 experts with per-tensor weight scales are not cut"),
 ], ids=["fp8-static-asymmetric", "asymmetric", "group", "block-structure", "4-bit", "experts"])
 def test_what_vllm_would_not_load_or_ferry_could_not_undo_is_refused(make_checkpoint, tmp_path, case, words):
     source, _ = make_checkpoint(case)
@@ -132,6 +138,28 @@ def test_int8_static_parts_with_different_input_scales_are_refused(make_checkpoi
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case, expert_parallel", [
+    (w8a8(MIXTRAL), False), (w8a8(MIXTRAL, "float"), True), (fp8_tensor(MIXTRAL, "dynamic"), False),
+    (fp8_tensor(MIXTRAL, "dynamic"), True),
+], ids=["int8-channel-tp2", "fp8-channel-ep2", "autofp8-tp2", "autofp8-ep2"])
+def test_8bit_experts_are_stacked_and_come_back_bit_for_bit(make_checkpoint, tmp_path, case, expert_parallel):
+    """FusedMoE's 8-bit stacks: w13_weight [E, 2 x I, hidden] with channel scales [E, 2 x I, 1] (float32) and
+    w2's [E, hidden, 1] whole; per tensor (AutoFP8) w13_weight_scale [E, 2] (w1's and w3's) and w2's [E]."""
+    from ferry_worker.shard.experts import MoeTarget
+
+    source, _ = make_checkpoint(case)
+    ShardJob.prepare(source, tmp_path / "cut", tp=2, moe=MoeTarget(expert_parallel=expert_parallel)).run()
+    unshard(tmp_path / "cut", tmp_path / "back")
+    original = read_checkpoint(source)
+    assert read_checkpoint(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
+    rank = read_safetensors(tmp_path / "cut" / "model-rank-1-part-0.safetensors")
+    stack = "model.layers.2.block_sparse_moe.experts.routed_experts."
+    experts, rows = (2, 256) if expert_parallel else (4, 128)  # Mixtral here: intermediate 256, hidden 128
+    channel = case.config["quantization_config"].get("quant_method") == "compressed-tensors"
+    assert rank[stack + "w13_weight_scale"][:2] == ("F32", [experts, 2 * rows, 1] if channel else [experts, 2])
+    assert rank[stack + "w2_weight_scale"][:2] == ("F32", [experts, 128, 1] if channel else [experts])
+
+
 def test_an_unwidenable_scale_dtype_is_refused(make_checkpoint, tmp_path):
     source, weights = make_checkpoint(w8a8(LLAMA3))
     name = "model.layers.0.self_attn.q_proj.weight_scale"
@@ -163,12 +191,6 @@ def test_odd_config_values_are_refused_by_name_not_crashed_on(where, value):
 
 
 
-def fp8_tensor(case: ModelCase, scheme: str) -> ModelCase:
-    config = copy.deepcopy(case.config)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme, "ignored_layers": ["lm_head"]}
-    return ModelCase(f"{case.name}-fp8-tensor", config, case.dtype, files=2)
-
-
 @pytest.mark.parametrize("case,tp", [(fp8_tensor(LLAMA3, "static"), 4), (fp8_tensor(QWEN2, "dynamic"), 2)],
                          ids=["static-tp4", "dynamic"])
 def test_per_tensor_fp8_scales_sit_one_per_part_and_come_back_0d(make_checkpoint, tmp_path, case, tp):
@@ -190,9 +212,10 @@ def test_per_tensor_fp8_scales_sit_one_per_part_and_come_back_0d(make_checkpoint
     assert layer + "self_attn.attn.k_scale" in rank
 
 
-def test_per_tensor_fp8_experts_are_refused_until_cut(make_checkpoint, tmp_path):
+def test_per_tensor_fp8_experts_with_static_inputs_are_refused_until_cut(make_checkpoint, tmp_path):
+    """vLLM holds one input scale per expert, which w1 and w3 must share: not cut yet."""
     config = copy.deepcopy(MIXTRAL.config)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
     source, _ = make_checkpoint(ModelCase("mixtral-fp8-tensor", config, MIXTRAL.dtype))
     with pytest.raises(ShardError, match="per-tensor FP8 experts are not cut"):
         ShardJob.prepare(source, tmp_path / "out", tp=2)

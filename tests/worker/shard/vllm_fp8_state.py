@@ -22,15 +22,16 @@ quantization config, and loads it with vLLM's loaders:
 and reports ShardedStateLoader's filtered state_dict of each as key ->
 [shape, dtype, sha256 of the bytes], before process_weights_after_loading.
 
-Two stand-ins, both kernel choices that raise on CPUs without AMX and are
+Three stand-ins, all kernel choices that raise on CPUs without AMX and are
 stored on the quant method, not in the state_dict (nothing here runs a
 kernel): `init_fp8_linear_kernel`, which picks the matmul kernel a quantized
 Linear will run, returns a placeholder; `select_wna16_moe_backend`, which
 picks compressed-tensors int4 experts' kernel, names vLLM's CPU backend (its
 CPUExpertsInt4 needs AMX), or Marlin for per-channel scales (the backends
-that take them; the non-Marlin ones assert group scales). The parameters
-CompressedTensorsWNA16MoEMethod registers are N-first whatever the backend:
-its conversion to a kernel's layout is post-load processing.
+that take them; the non-Marlin ones assert group scales);
+`select_int8_moe_backend` (INT8 W8A8 experts) names the CPU backend. The
+parameters those MoE methods register do not depend on the backend: the
+conversion to a kernel's layout is post-load processing.
 
 Prints one line `RESULT {json}` per run: {"name", "workers": [{"tp_rank",
 "ep_rank", "default", "sharded"}, ...]}.
@@ -101,6 +102,11 @@ def worker(rank: int, tp: int, port: int, runs: list, out_dir: str) -> None:
 
     ct_moe.select_wna16_moe_backend = lambda **kwargs: (
         WNA16MoEBackend.MARLIN if kwargs["quant_config"].strategy == "channel" else WNA16MoEBackend.CPU, None)
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 \
+        as ct_int8_moe
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+
+    ct_int8_moe.select_int8_moe_backend = lambda **kwargs: (Int8MoeBackend.CPU, None)
     # No model in the config: vLLM then creates the expert-parallel group too
     # (only MoE models need it; one set of groups serves every run).
     with set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp))):

@@ -166,11 +166,11 @@ def _tensor_fp8(qc: dict) -> TensorFp8:
     return TensorFp8(scheme == "static", frozenset(ignored))
 
 
-def refuse_experts_and_fused(family: Family, scheme: str) -> None:
-    """The quantized layouts cut for dense models only: no experts, and no checkpoint that ships fused modules
-    (vLLM then asks the quantization config about the fused names themselves, Phi-3's
-    packed_modules_mapping, which the module rules here do not model)."""
-    if family.is_moe:
+def refuse_experts_and_fused(family: Family, scheme: str, experts: bool = False) -> None:
+    """No checkpoint that ships fused modules (vLLM then asks the quantization config about the fused names
+    themselves, Phi-3's packed_modules_mapping, which the module rules here do not model), and no experts
+    unless `experts` (the scheme's expert layout is cut)."""
+    if family.is_moe and not experts:
         raise ShardError(f"{family.name}: {scheme} experts are not cut by ferry shard yet; serve this checkpoint "
                          f"with format.type safetensors")
     if any(s.fused for p in family.layer_params if p.linear for s in p.sources):
@@ -200,8 +200,10 @@ def follow_linears(family: Family, followers: Callable[[Param], list[Param]], *,
 
 
 def with_tensor_scales(family: Family, quant: TensorFp8) -> Family:
-    """Each linear weight followed by its per-tensor scales, one per logical part."""
-    refuse_experts_and_fused(family, "per-tensor FP8")
+    """Each linear weight followed by its per-tensor scales, one per logical part. Experts (Fp8MoEMethod
+    without blocks): `w13_weight_scale` [E, 2] (w1's and w3's), `w2_weight_scale` [E]; with dynamic
+    activations only (static ones are one input scale per expert that w1 and w3 must share, not cut yet)."""
+    refuse_experts_and_fused(family, "per-tensor FP8", experts=not quant.static_input)
     suffixes = ("weight_scale", "input_scale") if quant.static_input else ("weight_scale",)
     return follow_linears(family, lambda param: [per_part_scale(param, suffix) for suffix in suffixes])
 

@@ -607,6 +607,8 @@ class _Cutter:
         rows = sum(self._piece_rows(p) for p in pieces[0])
         trailing = self._trailing_shape(per_expert[0][0], pieces[0][0])
         dtype = self._dtype(entry.name, tuple(s for sources in per_expert for s in sources))
+        if entry.sources[0].block == EACH and len(entry.sources) == 1:  # one scale per expert (w2's): [E]
+            return PlannedTensor(entry.name, dtype, (len(held),), tuple(p for ps in pieces for p in ps))
         return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))
 
     def _concatenation(self, name: str, sources: tuple[Source, ...] | list[Source], rank: int,

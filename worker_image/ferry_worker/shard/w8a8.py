@@ -29,8 +29,15 @@ every part's input with the last part's scale, and `unshard` could not
 rebuild the others. ShardJob checks it before writing; `unshard` rebuilds the
 other parts from the one the rank files hold (`fused_parts`).
 
+Experts (CompressedTensorsW8A8Int8MoEMethod, ...W8A8Fp8MoEMethod) stack the
+same: `w13_weight` [E, 2 x I_rank, hidden] and `w2_weight`, with channel scales
+[E, 2 x I_rank, 1] / [E, hidden, 1] (w2's whole on every rank), and dynamic
+per-token activations: the one combination vLLM 0.32 loads for INT8 experts.
+FP8 per-tensor experts (which vLLM pairs with per-tensor activations) are not
+cut yet.
+
 Refused by name: asymmetric weights, asymmetric FP8 activations, groups and
-blocks (other schemes), KV-cache schemes and experts.
+blocks (other schemes), KV-cache schemes.
 """
 from __future__ import annotations
 
@@ -172,7 +179,13 @@ def _args(where: str, args, kind: str) -> dict:
 def with_scales(family: Family, quant: W8A8) -> Family:
     """Each linear weight followed by its scales, in vLLM's registration order, widened to the float32 vLLM
     allocates."""
-    refuse_experts_and_fused(family, "compressed-tensors W8A8")
+    refuse_experts_and_fused(family, "compressed-tensors W8A8", experts=True)
+    if family.is_moe and (quant.static_input or not quant.channel):
+        raise ShardError(f"{family.name}: compressed-tensors W8A8 experts with "
+                         f"{'static activations' if quant.static_input else 'per-tensor weight scales'} are not "
+                         f"cut by ferry shard: vLLM 0.32 loads INT8 experts only with channel scales and dynamic "
+                         f"per-token activations, FP8 per-tensor experts only with per-tensor activations, which "
+                         f"ferry shard does not cut yet; serve this checkpoint with format.type safetensors")
 
     def scales(param: Param) -> list[Param]:
         if quant.channel:  # [out, 1]: the weight's rows, whole on every rank of a row-parallel cut
