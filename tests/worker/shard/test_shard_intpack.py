@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints without vLLM: what ferry shard refuses before a byte
 is written, what its manifest and the artifact's config.json record, and
 `unshard` rebuilding every tensor bit for bit from rank files whose fused
-parts sit side by side along dim 1. The layout itself is proven against vLLM
+parts sit side by side along dim 1, and Mixtral's AWQ and GPTQ expert stacks
+(expert_cuts.py). The layout itself is proven against vLLM
 0.32 in test_shard_vllm_quantized.py; these checkpoints hold random packed words
 (checkpoints.int_packed). Shares nothing heavier than a generated checkpoint
 per test."""
@@ -13,7 +14,8 @@ import json
 import pytest
 
 from checkpoints import LLAMA3, MIXTRAL, PHI3, QWEN2, ModelCase, read_checkpoint, write_weights
-from ferry_worker.manifest import read_manifest
+from expert_cuts import MIXTRAL_STACK, cut_and_rebuilt
+from ferry_worker.manifest import IntegrityError, read_manifest
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
 from ferry_worker.shard.unshard import unshard
@@ -106,10 +108,67 @@ def test_a_cut_that_splits_a_group_is_refused_with_the_sizes_that_fit(make_check
     assert "(for this tensor: 1, 2)" in message
 
 
-def test_awq_experts_are_refused_until_cut(make_checkpoint, tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_awq_experts_are_stacked_in_first_and_come_back_bit_for_bit(make_checkpoint, tmp_path, expert_parallel):
+    """AWQ experts (vLLM's AWQMarlinMoEMethod): each expert's [in, out/8] qweight, qzeros and scales stacked as
+    [E, in, out]: gate's and up's column slices side by side in w13 as in a dense gate_up, down's rows cut like
+    a dense down_proj; under EP each rank holds whole experts."""
     source, _ = make_checkpoint(quantized(MIXTRAL, AWQ))
-    with pytest.raises(ShardError, match="AWQ experts are not cut by ferry shard yet"):
+    original, rank, (experts, rows) = cut_and_rebuilt(source, tmp_path, expert_parallel)
+    stack = MIXTRAL_STACK
+    assert rank[stack + "w13_qweight"][:2] == ("I32", [experts, 128, 2 * rows // 8])
+    assert rank[stack + "w13_scales"][:2] == ("BF16", [experts, 128 // 32, 2 * rows])
+    assert rank[stack + "w2_qweight"][:2] == ("I32", [experts, rows, 128 // 8])
+    assert rank[stack + "w2_qzeros"][:2] == ("I32", [experts, rows // 32, 128 // 8])
+    # Rank 1's w13 rows begin with its half of expert 0's gate (TP) or expert 2's whole gate (EP).
+    expert = 2 if expert_parallel else 0
+    gate = original[f"model.layers.0.block_sparse_moe.experts.{expert}.w1.qweight"]
+    begin = 0 if expert_parallel else 128 // 8
+    assert rank[stack + "w13_qweight"][2][:4 * (rows // 8)] == gate[2][4 * begin:4 * (begin + rows // 8)]
+
+
+def test_awq_experts_vllm_would_load_through_moe_wna16_are_refused(make_checkpoint, tmp_path):
+    """Group 16 is no Marlin MoE group size: vLLM 0.32 would build MoeWNA16's layout, not the one cut here."""
+    source, _ = make_checkpoint(quantized(MIXTRAL, AWQ, group_size=16))
+    with pytest.raises(ShardError, match="group_size 16: vLLM 0.32 loads them through MoeWNA16"):
         ShardJob.prepare(source, tmp_path / "out", tp=2)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_gptq_experts_are_stacked_with_the_zeroed_biases_vllm_registers(make_checkpoint, tmp_path, expert_parallel):
+    """GPTQ experts (AutoGPTQMoEMethod): [E, in / 8, out] qweight, [E, in / group, out] scales, qzeros; plus
+    the w13_bias/w2_bias it registers zeroed, which ShardedStateLoader requires and unshard checks are zero.
+    Every expert is quantized whatever modules_in_block_to_quantize says (vLLM asks no list for FusedMoE)."""
+    source, _ = make_checkpoint(quantized(MIXTRAL, GPTQ, modules_in_block_to_quantize=[["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]))
+    _, rank, (experts, rows) = cut_and_rebuilt(source, tmp_path, expert_parallel, dropped=".g_idx")
+    stack = MIXTRAL_STACK
+    assert rank[stack + "w13_qweight"][:2] == ("I32", [experts, 128 // 8, 2 * rows])
+    assert rank[stack + "w2_qweight"][:2] == ("I32", [experts, rows // 8, 128])
+    assert rank[stack + "w2_scales"][:2] == ("BF16", [experts, rows // 32, 128])
+    for bias, width in (("w13_bias", 2 * rows), ("w2_bias", 128)):
+        dtype, shape, data = rank[stack + bias]
+        assert (dtype, shape) == ("BF16", [experts, width]) and not any(data)
+    # A non-zero bias would be a different model: unshard refuses it.
+    _poke(tmp_path / "cut" / "model-rank-1-part-0.safetensors", stack + "w2_bias")
+    with pytest.raises(IntegrityError, match="w2_bias: padding is not zero"):
+        unshard(tmp_path / "cut", tmp_path / "again")
+
+
+def _poke(path, name: str) -> None:
+    """Set the first byte of tensor `name` in a rank file to 1 and re-sign the manifest (so that only unshard's
+    layout checks can catch it)."""
+    import struct
+
+    from ferry_worker.manifest import sha256_file, write_manifest
+
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    begin = json.loads(data[8:8 + length])[name]["data_offsets"][0]
+    data[8 + length + begin] = 1
+    path.write_bytes(bytes(data))
+    manifest = read_manifest(path.parent)
+    manifest.files = [f if f.path != path.name else type(f)(f.path, f.size, sha256_file(path)) for f in manifest.files]
+    write_manifest(path.parent, manifest)
 
 
 @pytest.mark.parametrize("missing", ["zero_point", "desc_act"])

@@ -7,8 +7,10 @@ input scales: FP8's per part, INT8's calibrated on the model, symmetric or
 with a zero point, one per fused module; per-tensor FP8 under quant_method "fp8", AutoFP8's
 0-d scales); and compressed-tensors int4 experts (Mixtral at TP 2 and EP 2,
 group and channel scales, with and without zero points; Qwen3-MoE with its
-routers left in bf16). Ferry's `sharded_state` rank files against what vLLM
-0.32 itself builds in each worker, and the tokens it serves from them.
+routers left in bf16); AWQ and GPTQ experts (Mixtral at TP 2 and EP 2, the
+Marlin MoE methods' [E, in, out] stacks; GPTQ's zeroed expert biases). Ferry's `sharded_state` rank files
+against what vLLM 0.32 itself builds in each worker, and the tokens it serves
+from them.
 
 The checkpoints are written by the quantizers' own code (quant_checkpoint.py,
 in the vLLM venv: compressed-tensors' `calculate_qparams` and its
@@ -123,6 +125,8 @@ CHECKPOINTS = (
     Quantized("mixtral-w4-g32-asym", MIXTRAL, ct({**GROUP32, "symmetric": False}), expert_parallel=True),
     Quantized("mixtral-w4-channel", MIXTRAL, ct({"num_bits": 4, "strategy": "channel", "symmetric": True})),
     Quantized("qwen3moe-w4-g32", QWEN3_MOE, {**ct(GROUP32), "ignore": [f"model.layers.{i}.mlp.gate" for i in (1, 2)]}),
+    Quantized("mixtral-awq-g32", MIXTRAL, {"method": "awq", "group_size": 32}, expert_parallel=True),
+    Quantized("mixtral-gptq-g32", MIXTRAL, {"method": "gptq", "group_size": 32}, expert_parallel=True),
     # 8-bit experts: W8A8 channel scales with dynamic per-token activations (INT8, FP8), AutoFP8 per tensor.
     Quantized("mixtral-int8-channel", MIXTRAL, w8a8("int", "channel"), expert_parallel=True),
     Quantized("mixtral-fp8-channel", MIXTRAL, w8a8("float", "channel"), expert_parallel=True),
@@ -204,6 +208,8 @@ def test_quantized_rank_files_are_the_state_vllm_builds_in_each_worker(states, n
         assert bool(experts) is checkpoint.base.name.startswith(("mixtral", "qwen3-moe"))
         if ep:  # 4 experts over EP 2
             assert all(worker["default"][k][0][0] == 2 for k in experts), worker["ep_rank"]
+        if experts and checkpoint.method == "gptq":  # AutoGPTQMoEMethod's zeroed biases, compared too
+            assert all(dtypes[k.replace(weight, "bias")] == "bfloat16" for k in experts)
         if checkpoint.method == "compressed-tensors":
             zero_points = [k for k in dtypes if k.endswith(".weight_zero_point")]
             assert bool(zero_points) is checkpoint.zero_point

@@ -11,6 +11,7 @@ import copy
 import pytest
 
 from checkpoints import LLAMA3, MIXTRAL, ModelCase, read_checkpoint, read_safetensors
+from expert_cuts import MIXTRAL_STACK, cut_and_rebuilt
 from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
@@ -101,16 +102,9 @@ def test_experts_are_stacked_n_first_and_come_back_bit_for_bit(make_checkpoint, 
     """FusedMoE's int4 stacks (CompressedTensorsWNA16MoEMethod): each expert's packed gate and up rows cut like
     a dense gate_up, down's packed columns like a dense down_proj, and each expert's weight_shape [2] in the
     model dtype (bf16 here), from the part vLLM loads last; unshard narrows those back to int64."""
-    from ferry_worker.shard.experts import MoeTarget
-
     source, _ = make_checkpoint(case)
-    ShardJob.prepare(source, tmp_path / "cut", tp=2, moe=MoeTarget(expert_parallel=expert_parallel)).run()
-    unshard(tmp_path / "cut", tmp_path / "back")
-    original, back = read_checkpoint(source), read_checkpoint(tmp_path / "back")
-    assert back == {k: v for k, v in original.items() if "rotary" not in k}
-    rank = read_safetensors(tmp_path / "cut" / "model-rank-1-part-0.safetensors")
-    stack = "model.layers.0.block_sparse_moe.experts.routed_experts."
-    experts, rows = (2, 256) if expert_parallel else (4, 128)  # Mixtral here: intermediate 256, hidden 128
+    _, rank, (experts, rows) = cut_and_rebuilt(source, tmp_path, expert_parallel)
+    stack = MIXTRAL_STACK
     assert rank[stack + "w13_weight_packed"][:2] == ("I32", [experts, 2 * rows, 128 // 8])
     assert rank[stack + "w2_weight_packed"][:2] == ("I32", [experts, 128, rows // 8])
     assert rank[stack + "w13_weight_shape"][:2] == ("BF16", [experts, 2])

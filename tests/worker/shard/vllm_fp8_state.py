@@ -22,14 +22,16 @@ quantization config, and loads it with vLLM's loaders:
 and reports ShardedStateLoader's filtered state_dict of each as key ->
 [shape, dtype, sha256 of the bytes], before process_weights_after_loading.
 
-Three stand-ins, all kernel choices that raise on CPUs without AMX and are
+Four stand-ins, all kernel choices that raise on CPUs without AMX and are
 stored on the quant method, not in the state_dict (nothing here runs a
 kernel): `init_fp8_linear_kernel`, which picks the matmul kernel a quantized
 Linear will run, returns a placeholder; `select_wna16_moe_backend`, which
 picks compressed-tensors int4 experts' kernel, names vLLM's CPU backend (its
 CPUExpertsInt4 needs AMX), or Marlin for per-channel scales (the backends
 that take them; the non-Marlin ones assert group scales);
-`select_int8_moe_backend` (INT8 W8A8 experts) names the CPU backend. The
+`select_int8_moe_backend` (INT8 W8A8 experts) names the CPU backend, and
+AWQ and GPTQ experts' (`auto_awq`, `auto_gptq`) names Marlin, the method the
+layout is vLLM's for. The
 parameters those MoE methods register do not depend on the backend: the
 conversion to a kernel's layout is post-load processing.
 
@@ -107,6 +109,11 @@ def worker(rank: int, tp: int, port: int, runs: list, out_dir: str) -> None:
     from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
 
     ct_int8_moe.select_int8_moe_backend = lambda **kwargs: (Int8MoeBackend.CPU, None)
+    import vllm.model_executor.layers.quantization.auto_awq as auto_awq
+    import vllm.model_executor.layers.quantization.auto_gptq as auto_gptq
+
+    auto_awq.select_wna16_moe_backend = lambda *args, **kwargs: (WNA16MoEBackend.MARLIN, None)
+    auto_gptq.select_wna16_moe_backend = auto_awq.select_wna16_moe_backend
     # No model in the config: vLLM then creates the expert-parallel group too
     # (only MoE models need it; one set of groups serves every run).
     with set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp))):

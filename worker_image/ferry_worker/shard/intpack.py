@@ -34,11 +34,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .fp8 import MAX_IGNORED, PACKED, follow_linears, refuse_experts_and_fused
+from .fp8 import MAX_IGNORED, PACKED, follow_linears, refuse_experts_and_fused, weight_source
 from .layouts import Family
 from .model import ShardError
 
 AWQ, GPTQ = "awq", "gptq"
+MARLIN_HIDDEN_MULTIPLE, MARLIN_MOE_GROUPS = 128, (0, 32, 64, 128)  # check_moe_marlin_supports_config
 PACKED_DTYPE = "I32"
 FLOAT_DTYPES = ("F16", "BF16", "F32")  # what maybe_update_config counts as unquantized
 GPTQ_GROUPS = (-1, 32, 64, 128)  # MARLIN_SUPPORTED_GROUP_SIZES: verify_marlin_supported refuses others
@@ -60,6 +61,11 @@ class IntPacked:
     @property
     def pack(self) -> int:
         return 32 // self.bits
+
+    @property
+    def quantizes_every_expert(self) -> bool:
+        """GPTQ: vLLM builds every FusedMoE quantized (get_moe_quant_method reads no module list)."""
+        return self.method == GPTQ
 
     def skips(self, module: str) -> bool:
         """Whether vLLM leaves the module built at `module` (its full prefix) unquantized."""
@@ -207,10 +213,33 @@ def _names(where: str, key: str, names) -> frozenset[str]:
     return frozenset(names)
 
 
+def check_marlin_experts(quant: IntPacked, hidden: int) -> None:
+    """AWQ and GPTQ experts are built as the Marlin MoE methods' [E, in, out] stacks only where vLLM 0.32's
+    check_moe_marlin_supports_layer holds (hidden_size a multiple of 128, a Marlin group size; whole groups
+    per rank are checked with every cut); elsewhere vLLM falls back to MoeWNA16, another layout."""
+    if hidden % MARLIN_HIDDEN_MULTIPLE or quant.group not in MARLIN_MOE_GROUPS:
+        group = quant.group or -1
+        raise ShardError(f"config.json: {quant.method.upper()} experts with hidden_size {hidden} and group_size "
+                         f"{group}: vLLM 0.32 loads them through MoeWNA16 (its Marlin MoE method needs hidden_size "
+                         f"a multiple of {MARLIN_HIDDEN_MULTIPLE} and group_size -1, 32, 64 or 128), a layout "
+                         f"ferry shard does not write; serve this checkpoint with format.type safetensors")
+
+
+def zeroed_biases(family: Family, quant) -> list[tuple[str, tuple]]:
+    """GPTQ experts: the w13_bias/w2_bias AutoGPTQMoEMethod registers zeroed (for checkpoints that carry
+    expert biases; the families cut here do not), as (state_dict name, the weights whose outputs each spans).
+    ShardedStateLoader requires every key, and copying zeros leaves vLLM's bias unset as the default loader
+    does."""
+    if not (isinstance(quant, IntPacked) and quant.quantizes_every_expert and family.is_moe):
+        return []
+    return [(param.name.removesuffix("qweight") + "bias", tuple(weight_source(s) for s in param.sources))
+            for param in family.layer_params if param.experts and param.name.endswith("_qweight")]
+
+
 def with_packed(family: Family, quant: IntPacked) -> Family:
     """The family's layer tables with each linear weight followed by its packed tensors, in vLLM's
     registration order (held where the module is quantized; the weight itself only where it is not)."""
-    refuse_experts_and_fused(family, quant.method.upper())
+    refuse_experts_and_fused(family, quant.method.upper(), experts=True)
     group = quant.group
     if quant.method == AWQ:
         blocks = (("qweight", (8, 1)), ("qzeros", (8, group)), ("scales", (1, group)))

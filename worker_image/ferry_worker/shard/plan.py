@@ -7,7 +7,7 @@ read. Each output tensor is a list of pieces concatenated along dim 0:
 
 - `Rows`: rows [start, stop) of a source tensor: one contiguous byte range;
 - `Columns`: columns [start, stop) of a 2-D source tensor: one strided range;
-- `ZeroRows`: vocabulary padding;
+- `ZeroRows`: vocabulary padding, and zeroed expert biases (GPTQ);
 - `Constant`: a literal (vLLM's default attention scales);
 - `Refined`: rows or columns of an FP8 expert scale on vLLM's refined grid
   (each checkpoint scale repeated over the finer blocks it covers).
@@ -116,8 +116,19 @@ class PlannedTensor:
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
     # The dim the pieces are concatenated along: 1 for the column slices of an [in, out] tensor (AWQ, GPTQ),
-    # side by side in each row.
+    # side by side in each row (an expert stack [E, in, out]: each expert's pieces, experts one after another).
     axis: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of the last two dims (the rows axis-1 pieces sit side by side in)."""
+        rows = math.prod(self.shape[:-1]) if self.shape else 1
+        return self.nbytes // rows if rows else 0
+
+    @property
+    def groups(self) -> int:
+        """How many side-by-side groups of pieces (axis 1): one per expert of a stack, else one."""
+        return self.shape[0] if self.axis == 1 and len(self.shape) == 3 else 1
 
     @property
     def nbytes(self) -> int:
@@ -216,9 +227,12 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     if family.is_moe:
         check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
                   expert_groups=int(config.get("n_group") or 1))
-        if isinstance(quant, fp8.BlockFp8) and any(layers.quantized(p, i) for p in family.layer_params if p.experts
-                                     for i in range(dims.layers) if layers.holds(p, i, flags)):
+        quantized_experts = any(layers.quantized(p, i) for p in family.layer_params if p.experts
+                                for i in range(dims.layers) if layers.holds(p, i, flags))
+        if isinstance(quant, fp8.BlockFp8) and quantized_experts:
             refine = fp8.check_moe_blocks(dims, tp, moe, quant)
+        if isinstance(quant, intpack.IntPacked) and quantized_experts:
+            intpack.check_marlin_experts(quant, dims.hidden)
     elif moe.expert_parallel:
         raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
     skipped = _skipped_tensors(family, dims, tensors, layers)
@@ -315,6 +329,9 @@ class _Layers:
 
     def quantized(self, param: Param, layer: int) -> bool:
         """Whether vLLM quantizes this linear weight (or scale's weight) in this layer."""
+        if param.experts and param.linear and isinstance(self.quant, intpack.IntPacked) and \
+                self.quant.quantizes_every_expert:
+            return True
         return (self.quant is not None and param.linear
                 and not self.quant.skips(fp8.module_of(self.family, LAYER_PREFIX.format(i=layer) + param.name,
                                                        param)))
@@ -514,6 +531,8 @@ class _Entry:
     experts: bool = False
     constant: tuple[str, bytes] = (SCALE_DTYPE, struct.pack("<f", ATTENTION_SCALE_VALUE))  # dtype, bytes
     shape: tuple[int, ...] = ()
+    # A zeroed expert bias the checkpoint lacks (GPTQ's w13_bias/w2_bias): the weights whose outputs it spans.
+    zeros: tuple[Source, ...] = ()
 
 
 def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vllm: VllmTarget, layers: _Layers,
@@ -534,10 +553,11 @@ def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vl
         prefix = LAYER_PREFIX.format(i=i)
         for param in family.layer_params:
             if layers.holds(param, i, flags):
-                entries.append(_Entry(prefix + param.name,
-                                      tuple(dataclasses.replace(s, hf_name=prefix + s.hf_name,
-                                                                weight=s.weight and prefix + s.weight)
-                                            for s in param.sources), param.experts))
+                entries.append(_Entry(prefix + param.name, tuple(_prefixed(s, prefix) for s in param.sources),
+                                      param.experts))
+        entries += [_Entry(prefix + name, (), True, zeros=tuple(_prefixed(w, prefix) for w in weights))
+                    for name, weights in intpack.zeroed_biases(family, layers.quant)
+                    if any(layers.holds(p, i, flags) for p in family.layer_params if p.experts)]
         if isinstance(layers.quant, (fp8.BlockFp8, fp8.TensorFp8)) and family.fp8_attention_scales:
             unset = (model_dtype, fp8.attention_scale_value(model_dtype))
             entries += [_Entry(f"{prefix}{family.attention_module}.{p}", (), constant=unset)
@@ -549,6 +569,10 @@ def _stage_params(family: Family, dims: ModelDims, flags: Mapping[str, bool], vl
             entries.append(_Entry(f"{prefix}{family.attention_module}.{buffer}", ()))
     return _drop_shared_storage(model_params(family.pre_layer_params) + entries
                                 + model_params(family.post_layer_params))
+
+
+def _prefixed(source: Source, prefix: str) -> Source:
+    return dataclasses.replace(source, hf_name=prefix + source.hf_name, weight=source.weight and prefix + source.weight)
 
 
 def _drop_shared_storage(entries: list[_Entry]) -> list[_Entry]:
@@ -578,6 +602,8 @@ class _Cutter:
         self.model_dtype = model_dtype
 
     def cut(self, entry: _Entry, rank: int) -> PlannedTensor:
+        if entry.zeros:
+            return self._zeroed_bias(entry, rank)
         if not entry.sources:  # an attention scale: a constant
             dtype, data = entry.constant
             return PlannedTensor(entry.name, dtype, entry.shape, (Constant(data),))
@@ -595,18 +621,34 @@ class _Cutter:
         trailing = self._trailing_shape(entry.sources[0], pieces[0])
         return PlannedTensor(entry.name, dtype, (rows, *trailing), tuple(pieces))
 
+    def _experts_held(self, rank: int) -> tuple[list[int], int, int]:
+        """The experts `rank` holds, and the MoE layer's tensor-parallel size and rank (1 and 0 under EP)."""
+        if self.moe.expert_parallel:
+            return expert_ranks(self.dims.experts, self.tp, rank, self.moe.placement), 1, 0
+        return list(range(self.dims.experts)), self.tp, rank
+
+    def _zeroed_bias(self, entry: _Entry, rank: int) -> PlannedTensor:
+        """[experts held, the rank's outputs of entry.zeros' weights] of zeros in the model dtype."""
+        held, moe_tp, moe_rank = self._experts_held(rank)
+        width = 0
+        for weight in entry.zeros:
+            for piece in self._cut_source(_for_expert(weight, held[0]), moe_rank, moe_tp):
+                width += piece.stop - piece.start if isinstance(piece, Rows) else self.dims.size(weight.shape[0])
+        return PlannedTensor(entry.name, self.model_dtype, (len(held), width), (ZeroRows(len(held)),))
+
     def _cut_experts(self, entry: _Entry, rank: int) -> PlannedTensor:
         """FusedMoE's stack: for each expert the rank holds, its sources cut by
         the MoE layer's tensor-parallel size (1 under expert parallelism)."""
-        if self.moe.expert_parallel:
-            held, moe_tp, moe_rank = expert_ranks(self.dims.experts, self.tp, rank, self.moe.placement), 1, 0
-        else:
-            held, moe_tp, moe_rank = list(range(self.dims.experts)), self.tp, rank
+        held, moe_tp, moe_rank = self._experts_held(rank)
         per_expert = [[_for_expert(s, e) for s in entry.sources] for e in held]
         pieces = [self._concatenation(entry.name, sources, moe_rank, moe_tp, self.refine) for sources in per_expert]
         rows = sum(self._piece_rows(p) for p in pieces[0])
         trailing = self._trailing_shape(per_expert[0][0], pieces[0][0])
         dtype = self._dtype(entry.name, tuple(s for sources in per_expert for s in sources))
+        if entry.sources[0].transposed and isinstance(pieces[0][0], Columns):  # [E, in, out]: parts side by side
+            width = sum(p.stop - p.start for p in pieces[0])
+            return PlannedTensor(entry.name, dtype, (len(held), rows // len(pieces[0]), width),
+                                 tuple(p for ps in pieces for p in ps), axis=1)
         if entry.sources[0].block == EACH and len(entry.sources) == 1:  # one scale per expert (w2's): [E]
             return PlannedTensor(entry.name, dtype, (len(held),), tuple(p for ps in pieces for p in ps))
         return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))

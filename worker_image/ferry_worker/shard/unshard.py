@@ -193,8 +193,12 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
     buffers, other = BlockBuffers(), BlockBuffers()
     for tensor in planned.tensors:
         position = header.data_offset + stored[tensor.name].begin
-        row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
-        for piece in tensor.pieces:
+        row_bytes = tensor.row_bytes if tensor.axis == 1 else (
+            tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes)
+        per_group = len(tensor.pieces) // tensor.groups
+        for index, piece in enumerate(tensor.pieces):
+            if tensor.axis == 1 and index and index % per_group == 0:  # the next expert's rows
+                position += (tensor.shape[-2] - 1) * row_bytes
             if isinstance(piece, (Rows, Columns)):
                 spec = specs[piece.source]
                 dest = piece_span(piece, offsets[piece.source], spec.dtype, spec.shape)
@@ -221,7 +225,8 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
             elif isinstance(piece, ZeroRows):
                 nbytes = piece.count * row_bytes
                 if any(any(chunk) for chunk in read_span(fd, Span(position, nbytes), buffers)):
-                    raise IntegrityError(f"{rank_file.name}: {tensor.name}: vocabulary padding is not zero")
+                    raise IntegrityError(f"{rank_file.name}: {tensor.name}: padding is not zero (vLLM holds zeros "
+                                         f"there: vocabulary padding, an unset bias)")
                 position += nbytes
             elif isinstance(piece, Constant):
                 if next(read_span(fd, Span(position, len(piece.data)), buffers)) != piece.data:
