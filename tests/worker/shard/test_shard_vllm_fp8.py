@@ -3,7 +3,9 @@ state vLLM 0.32 itself builds in each TP 2 worker (and EP 2 for the MoE
 families), name for name, dtype, shape and byte for byte; and Qwen3-MoE at
 TP 4, where each rank's expert intermediate size is not whole 128 blocks and
 vLLM's default MoE backend refines the experts' scale grid (Qwen3-30B-A3B-FP8
-at TP 4 and 8: 64 and 32 blocks; here 256 and 384 / 4).
+at TP 4: 64 blocks; here 256 / 4. The 32-wide grid, Qwen3-30B-A3B-FP8 at
+TP 8, stays a unit test in test_shard_fp8.py: its state run, 384 / 4, was
+equal by hand on 2026-12-05 and left out of CI for its budget).
 
 Shares: the session's hf_checkpoints store, and one vLLM process per TP size
 for all its runs.
@@ -80,8 +82,6 @@ CHECKPOINTS = (
     # 64 and 96 expert rows per rank at TP 4: vLLM refines 128x128 to 64x64 and 32x32.
     Checkpoint("qwen3_moe-refined64", "qwen3_moe", {"config": {**_DENSE, "moe_intermediate_size": 256}},
                not_converted=("model.layers.0.mlp.gate", "model.layers.1.mlp.gate"), tp=4, refined=(2, 2)),
-    Checkpoint("qwen3_moe-refined32", "qwen3_moe", {"config": {**_DENSE, "moe_intermediate_size": 384}},
-               not_converted=("model.layers.0.mlp.gate", "model.layers.1.mlp.gate"), tp=4, refined=(4, 4)),
 )
 
 
