@@ -130,6 +130,11 @@ class PlannedTensor:
         """How many side-by-side groups of pieces (axis 1): one per expert of a stack, else one."""
         return self.shape[0] if self.axis == 1 and len(self.shape) == 3 else 1
 
+    def side_by_side(self) -> Iterator[tuple[Piece, ...]]:
+        """Axis 1: each group's pieces, which sit side by side in its rows (one group per expert)."""
+        per_group = len(self.pieces) // self.groups
+        return (self.pieces[first:first + per_group] for first in range(0, len(self.pieces), per_group))
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)

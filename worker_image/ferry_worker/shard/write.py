@@ -92,9 +92,7 @@ def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[st
 
 def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:
     if tensor.axis == 1:  # each group's pieces side by side (an expert stack: one group per expert)
-        per_group = len(tensor.pieces) // tensor.groups
-        for first in range(0, len(tensor.pieces), per_group):
-            group = tensor.pieces[first:first + per_group]
+        for group in tensor.side_by_side():
             yield from read_side_by_side([(sources.fd(p.source), _span(p, sources)) for p in group])
         return
     row_bytes = tensor.nbytes // tensor.shape[0] if tensor.shape else tensor.nbytes
