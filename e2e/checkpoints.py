@@ -340,15 +340,18 @@ def fp8_tensor_scaled(weights: Weights, config: dict, seed: int = 0) -> Weights:
     not_converted = set(quant.get("ignored_layers") or quant.get("modules_to_not_convert") or [])
     rng = np.random.default_rng(seed + 19)
     out: Weights = {}
+    shared: dict[str, tuple] = {}
     for name, (dtype, shape, raw) in weights.items():
         if not fp8_quantized(name, shape, not_converted, routers=False):
             out[name] = (dtype, shape, raw)
             continue
         stem = name.removesuffix("weight")
         out[name] = ("F8_E4M3", shape, rng.integers(0, 0x7F, size=shape, dtype=np.uint8).tobytes())
-        for suffix in ("weight_scale", "input_scale") if quant.get("activation_scheme") == "static" else (
-                "weight_scale",):
-            out[stem + suffix] = ("F32", [], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), "F32"))
+        out[stem + "weight_scale"] = ("F32", [], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), "F32"))
+        if quant.get("activation_scheme") == "static":  # an expert's w1 and w3 share theirs, as calibrated
+            key = _fused_input(stem) if ".experts." in stem else stem
+            shared.setdefault(key, ("F32", [], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), "F32")))
+            out[stem + "input_scale"] = shared[key]
     return out
 
 
@@ -380,14 +383,18 @@ def naive_quantized(weights: Weights, config: dict, seed: int = 0) -> Weights:
                     shared[key]["input_zero_point"] = ("I8", [1], rng.integers(-8, 8, [1], dtype=np.int8).tobytes())
             out.update((stem + suffix, value) for suffix, value in shared[key].items())
         elif not inputs.get("dynamic"):
-            out[stem + "input_scale"] = (dtype, [1], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), dtype))
+            key = _fused_input(stem) if ".experts." in stem else stem  # an expert's w1 and w3 share theirs
+            if key not in shared:
+                shared[key] = {"input_scale": (dtype, [1], to_dtype_bytes(rng.uniform(1e-3, 1e-2, [1]), dtype))}
+            out[stem + "input_scale"] = shared[key]["input_scale"]
     return out
 
 
 def _fused_input(stem: str) -> str:
     """The input a linear module reads: q/k/v read one, gate/up another (INT8 static activations: the parts
     of a fused module share their calibrated input scale)."""
-    for parts, fused in ((("q_proj.", "k_proj.", "v_proj."), "qkv."), (("gate_proj.", "up_proj."), "gate_up.")):
+    for parts, fused in ((("q_proj.", "k_proj.", "v_proj."), "qkv."), (("gate_proj.", "up_proj."), "gate_up."),
+                         ((".w1.", ".w3."), ".w13.")):
         for part in parts:
             if stem.endswith(part):
                 return stem.removesuffix(part) + fused

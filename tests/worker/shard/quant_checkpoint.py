@@ -38,6 +38,11 @@ the file it was in; config.json gains the quantizer's quantization_config):
   layout): the weight in float8_e4m3fn under a 0-d float32 scale, and a 0-d
   input scale when activations are static.
 
+An expert's w1 and w3 (gate and up) read the same input, so where activations
+are static they get one input scale, the larger of the two (`shared_inputs`):
+vLLM keeps one per expert, and compressed-tensors' MoE loader refuses two that
+differ.
+
 Only q/k/v/o and gate/up/down (Mixtral's experts: w1/w2/w3) of the decoder
 layers are quantized; a job's `ignore` lists more modules the
 quantization_config leaves alone (Qwen3-MoE's routers, which vLLM hands the
@@ -201,6 +206,21 @@ def quantizer(job: dict):
         "checkpoint_format": "gptq"}
 
 
+EXPERT_GATE_UP = (("w1", "w3"), ("gate_proj", "up_proj"))
+
+
+def shared_inputs(tensors: dict) -> None:
+    """Each expert's gate and up input scales set to the larger of the two (both in `tensors`)."""
+    for name in [n for n in tensors if n.endswith(".input_scale") and ".experts." in n]:
+        module = name.removesuffix(".input_scale")
+        prefix, _, part = module.rpartition(".")
+        for gate, up in EXPERT_GATE_UP:
+            if part == gate:
+                other = f"{prefix}.{up}.input_scale"
+                larger = tensors[name].maximum(tensors[other])
+                tensors[name], tensors[other] = larger, larger.clone()
+
+
 def main(source: Path, output: Path, job: dict) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -220,6 +240,7 @@ def main(source: Path, output: Path, job: dict) -> None:
                         tensors[f"{module}.{key}"] = value.contiguous()
                 else:
                     tensors[name] = tensor
+        shared_inputs(tensors)
         save_file(tensors, str(output / path.name), metadata={"format": "pt"})
         index.update({name: path.name for name in tensors})
     for companion in source.iterdir():

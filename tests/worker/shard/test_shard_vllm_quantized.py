@@ -8,7 +8,10 @@ with a zero point, one per fused module; per-tensor FP8 under quant_method "fp8"
 0-d scales); and compressed-tensors int4 experts (Mixtral at TP 2 and EP 2,
 group and channel scales, with and without zero points; Qwen3-MoE with its
 routers left in bf16); AWQ and GPTQ experts (Mixtral at TP 2 and EP 2, the
-Marlin MoE methods' [E, in, out] stacks; GPTQ's zeroed expert biases). Ferry's `sharded_state` rank files
+Marlin MoE methods' [E, in, out] stacks; GPTQ's zeroed expert biases); 8-bit
+experts (W8A8 channel scales with dynamic activations, INT8 and FP8; FP8
+per-tensor scales with static activations, compressed-tensors and AutoFP8: one
+input scale per expert). Ferry's `sharded_state` rank files
 against what vLLM 0.32 itself builds in each worker, and the tokens it serves
 from them.
 
@@ -134,6 +137,10 @@ CHECKPOINTS = (
     Quantized("mixtral-fp8-channel", MIXTRAL32, w8a8("float", "channel"), expert_parallel=True),
     Quantized("mixtral-autofp8-dynamic", MIXTRAL32, {"method": "fp8", "activation_scheme": "dynamic"},
               expert_parallel=True),
+    # FP8 experts with per-tensor scales and static activations: one input scale per expert, [E].
+    Quantized("mixtral-fp8-tensor-static", MIXTRAL32, w8a8("float", "tensor", static=True), expert_parallel=True),
+    Quantized("mixtral-autofp8-static", MIXTRAL32, {"method": "fp8", "activation_scheme": "static"},
+              expert_parallel=True),
 )
 # The state_dict keys of one quantized linear module, by method: the quantized weight, its scales (and dtype),
 # the other.
@@ -240,6 +247,9 @@ def assert_w8a8_state(workers: list[dict], checkpoint: Quantized, state: dict) -
             parts = 3 if "qkv_proj" in key else 2 if "gate_up_proj" in key or "w13_" in key else 1
             if "experts" in key:  # FusedMoE's stacks: [E, rows, 1] per channel, [E, 2] / [E] per tensor
                 assert shapes[key] == ([*weight[:2], 1] if channel else [weight[0], parts][:1 + (parts > 1)])
+                inputs = key.replace("weight_scale", "input_scale")
+                assert (inputs in dtypes) is static  # one per expert, w1's and w3's alike
+                assert not static or (shapes[inputs], dtypes[inputs]) == ([weight[0]], "float32")
                 continue
             assert shapes[key] == ([weight[0], 1] if channel else [parts])
             assert (key.replace("weight_scale", "input_scale") in dtypes) is static

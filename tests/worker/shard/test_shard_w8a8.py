@@ -86,8 +86,11 @@ def test_widening_is_exact_and_narrowing_refuses_what_was_not_widened(source):
     (w8a8(LLAMA3, strategy="group", group_size=32), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, block_structure=[16, 16]), "groups, blocks or act-order belong to another scheme"),
     (w8a8(LLAMA3, num_bits=4), "8-bit int values"),
-    (w8a8(MIXTRAL, strategy="tensor"), "W8A8 experts with per-tensor weight scales are not cut"),
-], ids=["fp8-static-asymmetric", "asymmetric", "group", "block-structure", "4-bit", "experts"])
+    (w8a8(MIXTRAL, strategy="tensor"), "INT8 experts with per-tensor weight scales and dynamic activations"),
+    (w8a8(MIXTRAL, static=True), "INT8 experts with channel weight scales and static activations"),
+    (w8a8(MIXTRAL, "float", static=True), "FP8 experts with channel weight scales and static activations"),
+], ids=["fp8-static-asymmetric", "asymmetric", "group", "block-structure", "4-bit", "experts-int8-tensor",
+        "experts-int8-static", "experts-fp8-channel-static"])
 def test_what_vllm_would_not_load_or_ferry_could_not_undo_is_refused(make_checkpoint, tmp_path, case, words):
     source, _ = make_checkpoint(case)
     with pytest.raises(ShardError) as refused:
@@ -122,42 +125,64 @@ def test_int8_static_inputs_keep_one_value_per_fused_module_and_come_back(make_c
             assert rank[f"{layer}{fused}.input_zero_point"] == ("I8", [1], original[f"{layer}{part}.input_zero_point"][2])
 
 
-def test_int8_static_parts_with_different_input_scales_are_refused(make_checkpoint, tmp_path):
-    """vLLM would quantize q's and k's inputs with v's scale without a word, and unshard could not rebuild
-    theirs: refused before a byte is written, naming the parts."""
-    source, weights = make_checkpoint(w8a8(LLAMA3, static=True))
-    name = "model.layers.0.self_attn.k_proj.input_scale"
-    dtype, shape, raw = weights[name]
-    weights[name] = (dtype, shape, bytes([raw[0] ^ 1]) + raw[1:])
-    for path in source.glob("*.safetensors"):
-        path.unlink()
-    write_weights(source, weights, 2)
-    with pytest.raises(ShardError, match=r"model.layers.0.self_attn.q_proj.input_scale, .*k_proj.input_scale, "
-                                         r".*v_proj.input_scale differ.*fused model.layers.0.self_attn.qkv_proj"):
-        ShardJob.prepare(source, tmp_path / "out", tp=2).run()
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("case, expert_parallel", [
     (w8a8(MIXTRAL), False), (w8a8(MIXTRAL, "float"), True), (fp8_tensor(MIXTRAL, "dynamic"), False),
-    (fp8_tensor(MIXTRAL, "dynamic"), True),
-], ids=["int8-channel-tp2", "fp8-channel-ep2", "autofp8-tp2", "autofp8-ep2"])
+    (fp8_tensor(MIXTRAL, "dynamic"), True), (fp8_tensor(MIXTRAL, "static"), True),
+    (w8a8(MIXTRAL, "float", "tensor", static=True), False), (w8a8(MIXTRAL, "float", "tensor", static=True), True),
+], ids=["int8-channel-tp2", "fp8-channel-ep2", "autofp8-tp2", "autofp8-ep2", "autofp8-static-ep2",
+        "fp8-tensor-static-tp2", "fp8-tensor-static-ep2"])
 def test_8bit_experts_are_stacked_and_come_back_bit_for_bit(make_checkpoint, tmp_path, case, expert_parallel):
     """FusedMoE's 8-bit stacks: w13_weight [E, 2 x I, hidden] with channel scales [E, 2 x I, 1] (float32) and
-    w2's [E, hidden, 1] whole; per tensor (AutoFP8) w13_weight_scale [E, 2] (w1's and w3's) and w2's [E]."""
+    w2's [E, hidden, 1] whole; per tensor w13_weight_scale [E, 2] (w1's and w3's) and w2's [E]; static
+    activations one input scale per expert, w13_input_scale (w1's and w3's, equal) and w2_input_scale [E]."""
     from ferry_worker.shard.experts import MoeTarget
 
     source, _ = make_checkpoint(case)
-    ShardJob.prepare(source, tmp_path / "cut", tp=2, moe=MoeTarget(expert_parallel=expert_parallel)).run()
+    manifest = ShardJob.prepare(source, tmp_path / "cut", tp=2, moe=MoeTarget(expert_parallel=expert_parallel)).run()
     unshard(tmp_path / "cut", tmp_path / "back")
     original = read_checkpoint(source)
     assert read_checkpoint(tmp_path / "back") == {k: v for k, v in original.items() if "rotary" not in k}
     rank = read_safetensors(tmp_path / "cut" / "model-rank-1-part-0.safetensors")
     stack = "model.layers.2.block_sparse_moe.experts.routed_experts."
     experts, rows = (2, 256) if expert_parallel else (4, 128)  # Mixtral here: intermediate 256, hidden 128
-    channel = case.config["quantization_config"].get("quant_method") == "compressed-tensors"
+    channel = case.config["quantization_config"].get("config_groups", {}).get("group_0", {}).get(
+        "weights", {}).get("strategy") == "channel"
     assert rank[stack + "w13_weight_scale"][:2] == ("F32", [experts, 2 * rows, 1] if channel else [experts, 2])
     assert rank[stack + "w2_weight_scale"][:2] == ("F32", [experts, 128, 1] if channel else [experts])
+    static = manifest.extra["quantization"]["activations"] == "static"
+    assert (stack + "w13_input_scale" in rank, stack + "w2_input_scale" in rank) == (static, static)
+    if static:  # rank 1 under EP holds experts 2 and 3: each one's value, widened to float32
+        held = range(2, 4) if expert_parallel else range(4)
+        for stacked, part in (("w13_input_scale", "w3"), ("w2_input_scale", "w2")):
+            dtype, shape, raw = rank[stack + stacked]
+            want = [original[f"model.layers.2.block_sparse_moe.experts.{e}.{part}.input_scale"] for e in held]
+            assert (dtype, shape) == ("F32", [len(held)]), (stacked, dtype, shape)
+            assert raw == b"".join(w[2] if w[0] == "F32" else b"\0\0" + w[2] for w in want), stacked
+
+
+@pytest.mark.parametrize("case, name, words", [
+    (w8a8(LLAMA3, static=True), "model.layers.0.self_attn.k_proj.input_scale",
+     r"model.layers.0.self_attn.q_proj.input_scale, .*k_proj.input_scale, .*v_proj.input_scale differ.*"
+     r"fused model.layers.0.self_attn.qkv_proj"),
+    (fp8_tensor(MIXTRAL, "static"), "model.layers.1.block_sparse_moe.experts.3.w3.input_scale",
+     r"experts.3.w1.input_scale, .*experts.3.w3.input_scale differ.*fused model.layers.1.block_sparse_moe.experts.3.w13"),
+    (w8a8(MIXTRAL, "float", "tensor", static=True), "model.layers.1.block_sparse_moe.experts.3.w3.input_scale",
+     r"experts.3.w1.input_scale, .*experts.3.w3.input_scale differ.*fused model.layers.1.block_sparse_moe.experts.3.w13"),
+], ids=["int8-fused-module", "autofp8-expert", "compressed-tensors-fp8-expert"])
+def test_parts_with_different_input_scales_are_refused(make_checkpoint, tmp_path, case, name, words):
+    """One input scale where vLLM keeps one: an INT8 fused module's (vLLM would quantize q's and k's inputs
+    with v's scale without a word), an FP8 expert's w1 and w3 (compressed-tensors' loader refuses them,
+    Fp8MoEMethod keeps the last); unshard could not rebuild the others. Refused before a byte is written,
+    naming the parts."""
+    source, weights = make_checkpoint(case)
+    dtype, shape, raw = weights[name]
+    weights[name] = (dtype, shape, bytes([raw[0] ^ 1]) + raw[1:])
+    for path in source.glob("*.safetensors"):
+        path.unlink()
+    write_weights(source, weights, 2)
+    with pytest.raises(ShardError, match=words):
+        ShardJob.prepare(source, tmp_path / "out", tp=2).run()
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unwidenable_scale_dtype_is_refused(make_checkpoint, tmp_path):
@@ -210,15 +235,6 @@ def test_per_tensor_fp8_scales_sit_one_per_part_and_come_back_0d(make_checkpoint
     assert (layer + "self_attn.qkv_proj.input_scale" in rank) is (case.config["quantization_config"][
         "activation_scheme"] == "static")
     assert layer + "self_attn.attn.k_scale" in rank
-
-
-def test_per_tensor_fp8_experts_with_static_inputs_are_refused_until_cut(make_checkpoint, tmp_path):
-    """vLLM holds one input scale per expert, which w1 and w3 must share: not cut yet."""
-    config = copy.deepcopy(MIXTRAL.config)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    source, _ = make_checkpoint(ModelCase("mixtral-fp8-tensor", config, MIXTRAL.dtype))
-    with pytest.raises(ShardError, match="per-tensor FP8 experts are not cut"):
-        ShardJob.prepare(source, tmp_path / "out", tp=2)
 
 
 def test_an_8_bit_weight_the_config_leaves_unquantized_is_refused(make_checkpoint, tmp_path):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from .experts import MoeTarget
-from .layouts import EACH, Family, Param, Source, Split
+from .layouts import EACH, WHOLE, Family, Param, Source, Split
 from .model import ModelDims, ShardError
 
 WEIGHT_DTYPE = "F8_E4M3"  # torch.float8_e4m3fn, what vLLM's Fp8LinearMethod allocates
@@ -185,6 +185,21 @@ def per_part_scale(param: Param, suffix: str, cast: str | None = None) -> Param:
                cast=cast) for s in param.sources))
 
 
+def last_part_scale(param: Param, suffix: str, cast: str | None = None) -> Param:
+    """`<module>.<suffix>`: one value for the whole module (an expert's w1 and w3 share one), from the part vLLM
+    loads last (WHOLE); ShardJob checks that the parts agree (w8a8.shared_groups)."""
+    return dataclasses.replace(param, name=param.name.removesuffix("weight") + suffix, sources=tuple(
+        Source(s.hf_name.removesuffix("weight") + suffix, ("1",), Split.REPLICATED, block=WHOLE, weight=s.hf_name,
+               cast=cast) for s in param.sources))
+
+
+def input_scales(param: Param, cast: str | None = None) -> Param:
+    """A static per-tensor input scale: one per logical part of a dense module ([parts]), one per expert for
+    FusedMoE's stacks (`w13_input_scale` / `w2_input_scale` [E]: w1 and w3 read the same input, and vLLM keeps
+    one value for both)."""
+    return last_part_scale(param, "input_scale", cast) if param.experts else per_part_scale(param, "input_scale", cast)
+
+
 def follow_linears(family: Family, followers: Callable[[Param], list[Param]], *, replaced: bool = False) -> Family:
     """The family's layer tables with each linear weight followed by `followers(weight)` (a quantization's
     scales or packed tensors, present in a layer only where that weight is quantized); with `replaced`, the
@@ -201,11 +216,11 @@ def follow_linears(family: Family, followers: Callable[[Param], list[Param]], *,
 
 def with_tensor_scales(family: Family, quant: TensorFp8) -> Family:
     """Each linear weight followed by its per-tensor scales, one per logical part. Experts (Fp8MoEMethod
-    without blocks): `w13_weight_scale` [E, 2] (w1's and w3's), `w2_weight_scale` [E]; with dynamic
-    activations only (static ones are one input scale per expert that w1 and w3 must share, not cut yet)."""
-    refuse_experts_and_fused(family, "per-tensor FP8", experts=not quant.static_input)
-    suffixes = ("weight_scale", "input_scale") if quant.static_input else ("weight_scale",)
-    return follow_linears(family, lambda param: [per_part_scale(param, suffix) for suffix in suffixes])
+    without blocks): `w13_weight_scale` [E, 2] (w1's and w3's), `w2_weight_scale` [E], and with static
+    activations `w13_input_scale` / `w2_input_scale` [E] (input_scales)."""
+    refuse_experts_and_fused(family, "per-tensor FP8", experts=True)
+    return follow_linears(family, lambda param: [per_part_scale(param, "weight_scale")]
+                          + ([input_scales(param)] if quant.static_input else []))
 
 
 def with_scales(family: Family, quant: BlockFp8) -> Family:

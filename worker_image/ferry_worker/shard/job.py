@@ -12,6 +12,7 @@ overwrites what it left.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from .experts import MoeTarget
 from .model import ShardError
 from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
-from .spans import BlockBuffers, piece_span, read_span
+from .spans import BlockBuffers, Span, piece_span, read_span
 from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION, parse_vllm_version
 from . import intpack, w8a8, wna16
 from .write import SourceFiles, header_for, write_rank_files
@@ -138,25 +139,26 @@ class ShardJob:
                                      f"(weight_packed x {self.plan.quant.pack}); the checkpoint is inconsistent")
 
     def _check_shared_inputs(self) -> None:
-        """INT8 static activations: the parts of each fused module must hold the same input scale (and zero
-        point), stored alike: vLLM keeps only the part it loads last, and unshard rebuilds the others from it."""
-        if not (isinstance(self.plan.quant, w8a8.W8A8) and self.plan.quant.shared_input):
-            return
+        """Static activations where vLLM keeps one input scale (and zero point) for several checkpoint
+        tensors (w8a8.shared_groups: an INT8 fused module's parts, an FP8 expert's w1 and w3): they must be
+        stored alike, as vLLM keeps (or, for compressed-tensors experts, demands) one, and unshard rebuilds
+        the others from it."""
+        groups = w8a8.shared_groups(self.plan.quant, self.checkpoint.tensors)
         buffers, tensors = BlockBuffers(), self.checkpoint.tensors
         with SourceFiles(tensors) as sources:
-            for fused, parts in w8a8.fused_parts(tensors).items():
+            for fused, parts in groups.items():
                 values = {}
-                for name in parts:
+                for name in parts:  # a few bytes each ([1], or 0-d)
                     loc = tensors[name]
-                    data = b"".join(read_span(sources.fd(name), piece_span(Rows(name, 0, loc.shape[0]), loc.offset,
-                                                                           loc.dtype, loc.shape), buffers))
+                    data = b"".join(read_span(sources.fd(name), Span(loc.offset, loc.nbytes), buffers))
                     values[name] = (loc.dtype, loc.shape, data)
                 if len(set(values.values())) > 1:
                     raise ShardError(f"{', '.join(parts)} differ (dtype, shape or value); vLLM 0.32 loads one "
                                      f"{fused.rsplit('.', 1)[1]} for the fused {fused.rsplit('.', 1)[0]} and keeps "
-                                     f"the part it reads last, so it would quantize every part's input with that "
-                                     f"one: calibrate the parts together (they read the same input, and "
-                                     f"llm-compressor gives them one value) or serve with format.type safetensors")
+                                     f"the part it reads last (or refuses the checkpoint), so it would quantize "
+                                     f"every part's input with that one: calibrate the parts together (they read "
+                                     f"the same input, and llm-compressor gives them one value) or serve with "
+                                     f"format.type safetensors")
 
     def _rewritten(self, path: Path) -> bytes | None:
         """The artifact's own config.json where it must say more than the checkpoint's (a GPTQ checkpoint's
@@ -198,11 +200,15 @@ class ShardJob:
         }
 
 
+    @functools.cached_property
+    def _shared_names(self) -> frozenset[str]:
+        return frozenset(n for parts in w8a8.shared_groups(self.plan.quant, self.checkpoint.tensors).values()
+                         for n in parts)
+
     def _read_in_order(self, name: str) -> bool:
         """Whether the cut of `name` depends on the order vLLM reads the files in (one of a fused module's
         parts kept: pack-quantized weight_shape, INT8 static input scales)."""
-        shared = isinstance(self.plan.quant, w8a8.W8A8) and self.plan.quant.shared_input
-        return wna16.role(name) == "shape" or (shared and name.endswith(w8a8.SHARED_SUFFIXES))
+        return wna16.role(name) == "shape" or name in self._shared_names
 
 
 def _rank_files(plan: ShardPlan) -> dict[str, list[str]]:

@@ -29,7 +29,7 @@ from typing import Iterator, Mapping, Union
 
 from . import fp8, intpack, w8a8, wna16
 from .experts import MoeTarget, check_moe, expert_ranks
-from .layouts import EACH, Family, Mlp, Param, Placement, Source, Split, family_for
+from .layouts import EACH, WHOLE, Family, Mlp, Param, Placement, Source, Split, family_for
 from .model import ModelDims, ShardError, pad_vocab, pp_layer_ranges
 from .tensors import itemsize
 from .versions import ATTENTION_SCALE_VALUE, VllmTarget
@@ -353,7 +353,7 @@ def expected_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
         for source in _model_param_sources(param, dims):
             expected[source.hf_name] = dims.shape(source.hf_shape)
     for _, _, source, name in _layer_sources(family, dims, flags, layers):
-        if source.block not in (None, wna16.WHOLE, EACH) and not name.endswith(fp8.SCALE_SUFFIX):
+        if source.block not in (None, WHOLE, EACH) and not name.endswith(fp8.SCALE_SUFFIX):
             _check_whole_blocks(name, source, *dims.shape(fp8.weight_source(source).hf_shape))
         expected[name] = _source_shape(dims, source)
     return expected
@@ -372,7 +372,7 @@ def _layer_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool],
 
 def _source_shape(dims: ModelDims, source: Source) -> tuple[int, ...]:
     shape = dims.shape(source.hf_shape)
-    if source.block in (None, wna16.WHOLE, EACH):
+    if source.block in (None, WHOLE, EACH):
         return shape
     blocks = fp8.scale_shape(shape, source.block)
     return blocks[::-1] if source.transposed else blocks
@@ -502,10 +502,11 @@ def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool], t
     missing = [n for n in expected if n not in tensors]
     if missing:
         problems.append(f"missing tensor(s): {_listing(missing)}")
-    scalars = {name for _, _, source, name in _layer_sources(family, dims, flags, layers) if source.block == EACH}
+    scalars = {name for _, _, source, name in _layer_sources(family, dims, flags, layers)
+               if source.block == EACH or (source.block == WHOLE and source.hf_shape == ("1",))}
     wrong = [f"{n} has shape {list(tensors[n].shape)}, expected {list(shape)}"
              for n, shape in expected.items() if n in tensors and tensors[n].shape != shape
-             and not (n in scalars and tensors[n].shape == ())]  # one value per part: [1] or 0-d
+             and not (n in scalars and tensors[n].shape == ())]  # one value (per part, or shared): [1] or 0-d
     if wrong:
         problems.append(f"wrong shape(s): {_listing(wrong)}")
     extra = [n for n in tensors if n not in expected and n not in skipped]
@@ -654,7 +655,9 @@ class _Cutter:
             width = sum(p.stop - p.start for p in pieces[0])
             return PlannedTensor(entry.name, dtype, (len(held), rows // len(pieces[0]), width),
                                  tuple(p for ps in pieces for p in ps), axis=1)
-        if entry.sources[0].block == EACH and len(entry.sources) == 1:  # one scale per expert (w2's): [E]
+        first = entry.sources[0]
+        if (first.block == EACH and len(entry.sources) == 1) or (first.block == WHOLE and first.hf_shape == ("1",)):
+            # one scale per expert (w2's; an input scale w1 and w3 share): [E]
             return PlannedTensor(entry.name, dtype, (len(held),), tuple(p for ps in pieces for p in ps))
         return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))
 
@@ -667,9 +670,9 @@ class _Cutter:
             return [p for s in sources for p in self._cut_source(s, rank, tp)]
         if sources[0].block == EACH:  # each part's one value ([1] or 0-d in the checkpoint), side by side
             return [Rows(s.hf_name, 0, 1) for s in sources]
-        if sources[0].block == wna16.WHOLE:  # whole, from the part vLLM loads last
+        if sources[0].block == WHOLE:  # whole, from the part vLLM loads last ([n], or a 0-d scale)
             last = max(sources, key=lambda s: (wna16.natural_key(self.tensors[s.hf_name].file), s.hf_name))
-            return [Rows(last.hf_name, 0, self.tensors[last.hf_name].shape[0])]
+            return [Rows(last.hf_name, 0, (self.tensors[last.hf_name].shape or (1,))[0])]
         weights = [(s, p) for s in sources for p in self._cut_source(fp8.weight_source(s), rank, tp)]
         if refine and sources[0].hf_name.endswith(fp8.SCALE_SUFFIX):
             return [_refined(scale, piece, refine) for scale, piece in weights]

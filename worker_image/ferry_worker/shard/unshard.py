@@ -100,13 +100,12 @@ def _derived(plan: ShardPlan, specs: dict[str, TensorSpec], rebuilt: list[str]) 
 
 
 def _shared(plan: ShardPlan, specs: dict[str, TensorSpec], rebuilt: list[str]) -> dict[str, str]:
-    """INT8 static input scales and zero points no rank file holds -> the part of the same fused module that
-    one does: ShardJob wrote the artifact only where all parts held the same dtype, shape and bytes."""
-    if not (isinstance(plan.quant, w8a8.W8A8) and plan.quant.shared_input):
-        return {}
+    """Input scales and zero points no rank file holds -> the part of the same group (w8a8.shared_groups: a
+    fused INT8 module's, an FP8 expert's w1 and w3) that one does: ShardJob wrote the artifact only where all
+    parts held the same dtype, shape and bytes."""
     kept = set(rebuilt)
     shared = {}
-    for parts in w8a8.fused_parts(specs).values():
+    for parts in w8a8.shared_groups(plan.quant, specs).values():
         held = [p for p in parts if p in kept]
         if len(held) != 1:
             raise IntegrityError(f"{', '.join(parts)}: the rank files hold {len(held)} of them, not one")

@@ -33,8 +33,11 @@ Experts (CompressedTensorsW8A8Int8MoEMethod, ...W8A8Fp8MoEMethod) stack the
 same: `w13_weight` [E, 2 x I_rank, hidden] and `w2_weight`, with channel scales
 [E, 2 x I_rank, 1] / [E, hidden, 1] (w2's whole on every rank), and dynamic
 per-token activations: the one combination vLLM 0.32 loads for INT8 experts.
-FP8 per-tensor experts (which vLLM pairs with per-tensor activations) are not
-cut yet.
+FP8 experts with per-tensor weight scales (vLLM pairs them with static
+per-tensor activations) hold `w13_weight_scale` [E, 2] (w1's and w3's),
+`w2_weight_scale` [E] and one input scale per expert, `w13_input_scale` /
+`w2_input_scale` [E]: vLLM 0.32 refuses a checkpoint whose w1 and w3 input
+scales differ, and ShardJob checks the same before writing (`shared_groups`).
 
 Refused by name: asymmetric weights, asymmetric FP8 activations, groups and
 blocks (other schemes), KV-cache schemes.
@@ -42,14 +45,16 @@ blocks (other schemes), KV-cache schemes.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from .fp8 import PACKED, follow_linears, per_part_scale, refuse_experts_and_fused, skipped_module
+from .fp8 import (PACKED, TensorFp8, follow_linears, input_scales, last_part_scale, per_part_scale,
+                  refuse_experts_and_fused, skipped_module)
 from .fp8 import WEIGHT_DTYPE as FP8_DTYPE
-from .layouts import Family, Param, Source, Split
+from .layouts import Family, Param
 from .model import ShardError
-from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, WHOLE, _ignored
+from .wna16 import KNOWN_CONFIG_KEYS, KNOWN_WEIGHT_KEYS, _ignored
 
 FORMATS = {"int-quantized": "int", "float-quantized": "float"}
 SCALE_DTYPE = "F32"
@@ -71,6 +76,14 @@ class W8A8:
     def shared_input(self) -> bool:
         """One input scale (and zero point) per module, whichever part vLLM loads last (INT8 static)."""
         return self.static_input and self.kind == "int"
+
+    @property
+    def experts_loadable(self) -> bool:
+        """What vLLM 0.32 loads for experts: channel scales with dynamic per-token activations (INT8, FP8), or
+        FP8 per-tensor scales with static per-tensor activations."""
+        if self.channel:
+            return not self.static_input
+        return self.kind == "float" and self.static_input
 
     @property
     def weight_dtype(self) -> str:
@@ -180,12 +193,13 @@ def with_scales(family: Family, quant: W8A8) -> Family:
     """Each linear weight followed by its scales, in vLLM's registration order, widened to the float32 vLLM
     allocates."""
     refuse_experts_and_fused(family, "compressed-tensors W8A8", experts=True)
-    if family.is_moe and (quant.static_input or not quant.channel):
-        raise ShardError(f"{family.name}: compressed-tensors W8A8 experts with "
-                         f"{'static activations' if quant.static_input else 'per-tensor weight scales'} are not "
-                         f"cut by ferry shard: vLLM 0.32 loads INT8 experts only with channel scales and dynamic "
-                         f"per-token activations, FP8 per-tensor experts only with per-tensor activations, which "
-                         f"ferry shard does not cut yet; serve this checkpoint with format.type safetensors")
+    if family.is_moe and not quant.experts_loadable:
+        raise ShardError(f"{family.name}: compressed-tensors {'INT8' if quant.kind == 'int' else 'FP8'} experts "
+                         f"with {'channel' if quant.channel else 'per-tensor'} weight scales and "
+                         f"{'static' if quant.static_input else 'dynamic'} activations: vLLM 0.32 loads INT8 "
+                         f"experts only with channel scales and dynamic per-token activations, and FP8 experts "
+                         f"with those or with per-tensor weight scales and static per-tensor activations; serve "
+                         f"this checkpoint with format.type safetensors")
 
     def scales(param: Param) -> list[Param]:
         if quant.channel:  # [out, 1]: the weight's rows, whole on every rank of a row-parallel cut
@@ -195,20 +209,37 @@ def with_scales(family: Family, quant: W8A8) -> Family:
         else:
             out = [per_part_scale(param, "weight_scale", SCALE_DTYPE)]
         if quant.shared_input:
-            return out + [_last_part(param, "input_zero_point")] * quant.input_zero_point + [
-                _last_part(param, "input_scale", SCALE_DTYPE)]
-        return out + ([per_part_scale(param, "input_scale", SCALE_DTYPE)] if quant.static_input else [])
+            return out + [last_part_scale(param, "input_zero_point")] * quant.input_zero_point + [
+                last_part_scale(param, "input_scale", SCALE_DTYPE)]
+        return out + ([input_scales(param, SCALE_DTYPE)] if quant.static_input else [])
     return follow_linears(family, scales)
 
 
-def _last_part(param: Param, suffix: str, cast: str | None = None) -> Param:
-    """`<module>.<suffix>` [1]: one value for the whole module, from the part vLLM loads last (WHOLE)."""
-    return dataclasses.replace(param, name=param.name.removesuffix("weight") + suffix, sources=tuple(
-        Source(s.hf_name.removesuffix("weight") + suffix, ("1",), Split.REPLICATED, block=WHOLE, weight=s.hf_name,
-               cast=cast) for s in param.sources))
-
-
 SHARED_SUFFIXES = ("input_scale", "input_zero_point")
+# Each expert's gate and up parts (Mixtral's w1/w3, Qwen3-MoE's gate_proj/up_proj), fused into w13.
+EXPERT_INPUT = re.compile(r"(?P<expert>.+\.experts\.\d+)\.(?P<part>w1|w3|gate_proj|up_proj)\.input_scale")
+EXPERT_PART_ORDER = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
+
+
+def shared_groups(quant: object, names) -> dict[str, list[str]]:
+    """The checkpoint tensors among `names` of which vLLM keeps one per group, by group (the rank files hold
+    the one it loads last; ShardJob checks that they agree, unshard rebuilds the others from it): INT8 static
+    activations' input scales and zero points of fused modules, static FP8 input scales of an expert's w1
+    and w3."""
+    if isinstance(quant, W8A8) and quant.shared_input:
+        return fused_parts(names)
+    if isinstance(quant, (W8A8, TensorFp8)) and quant.static_input:
+        return expert_parts(names)
+    return {}
+
+
+def expert_parts(names) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        if found := EXPERT_INPUT.fullmatch(name):
+            groups.setdefault(f"{found['expert']}.w13.input_scale", []).append(name)
+    return {group: sorted(parts, key=lambda n: EXPERT_PART_ORDER[n.rsplit(".", 2)[1]])
+            for group, parts in groups.items()}
 
 
 def fused_parts(names) -> dict[str, list[str]]:

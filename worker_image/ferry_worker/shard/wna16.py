@@ -39,13 +39,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .fp8 import MAX_IGNORED, follow_linears, skipped_module
-from .layouts import Family, Param, Source, Split
+from .layouts import WHOLE, Family, Param, Source, Split
 from .model import ShardError
 from .tensors import itemsize
 
 PACKED_DTYPE, SHAPE_DTYPE = "I32", "I64"
 MODEL_DTYPE = "model"  # Source.cast: the checkpoint's model dtype, resolved by plan.py (experts' weight_shape)
-WHOLE = (0, 0)  # the block of a tensor a rank holds whole, from one of its parts (weight_shape)
 METHOD = "compressed-tensors"
 FORMAT = "pack-quantized"
 # The keys of quantization_config this module reads, or must see empty: a sparsity or transform config makes

@@ -3,13 +3,13 @@
 vocabulary of `base`."""
 from __future__ import annotations
 
-from .base import EACH, Family, Flag, Mlp, Param, Placement, SizeKey, Source, Split
+from .base import EACH, WHOLE, Family, Flag, Mlp, Param, Placement, SizeKey, Source, Split
 from .dense import GEMMA2, GEMMA3, LLAMA, PHI3, QWEN2, QWEN3
 from .moe import DEEPSEEK, MIXTRAL, QWEN3_MOE
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE, DEEPSEEK)
 
-__all__ = ["EACH", "FAMILIES", "Family", "Flag", "Mlp", "Param", "Placement", "SizeKey", "Source", "Split", "family_for",
+__all__ = ["EACH", "WHOLE", "FAMILIES", "Family", "Flag", "Mlp", "Param", "Placement", "SizeKey", "Source", "Split", "family_for",
            "supported_architectures"]
 
 

@@ -54,6 +54,9 @@ class Mlp(Enum):
 # The block of a tensor holding one value per logical part of a fused module, side by side (vLLM's
 # PerTensorScaleParameter: per-tensor FP8 and W8A8 scales), stored [1] or 0-d per part in the checkpoint.
 EACH = (-1, -1)
+# The block of a tensor a rank holds whole, from one of its parts (the one vLLM loads last): a pack-quantized
+# weight_shape, an INT8 static input scale of a fused module, an expert's one static FP8 input scale.
+WHOLE = (0, 0)
 
 
 @dataclass(frozen=True)
