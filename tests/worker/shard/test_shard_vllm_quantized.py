@@ -141,6 +141,9 @@ CHECKPOINTS = (
     Quantized("mixtral-fp8-tensor-static", MIXTRAL32, w8a8("float", "tensor", static=True), expert_parallel=True),
     Quantized("mixtral-autofp8-static", MIXTRAL32, {"method": "fp8", "activation_scheme": "static"},
               expert_parallel=True),
+    Quantized("qwen3moe-fp8-tensor-static", QWEN3_MOE,
+              {**w8a8("float", "tensor", static=True), "ignore": [f"model.layers.{i}.mlp.gate" for i in (1, 2)]},
+              expert_parallel=True),
 )
 # The state_dict keys of one quantized linear module, by method: the quantized weight, its scales (and dtype),
 # the other.

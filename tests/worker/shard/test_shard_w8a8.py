@@ -15,7 +15,7 @@ import struct
 
 import pytest
 
-from checkpoints import LLAMA3, MIXTRAL, QWEN2, ModelCase, read_checkpoint, read_safetensors, write_weights
+from checkpoints import DEEPSEEK_V3, LLAMA3, MIXTRAL, QWEN2, ModelCase, read_checkpoint, read_safetensors, write_weights
 from ferry_worker.shard.job import ShardJob
 from ferry_worker.shard.model import ShardError
 from ferry_worker.shard.tensors import narrow, widen
@@ -89,8 +89,10 @@ def test_widening_is_exact_and_narrowing_refuses_what_was_not_widened(source):
     (w8a8(MIXTRAL, strategy="tensor"), "INT8 experts with per-tensor weight scales and dynamic activations"),
     (w8a8(MIXTRAL, static=True), "INT8 experts with channel weight scales and static activations"),
     (w8a8(MIXTRAL, "float", static=True), "FP8 experts with channel weight scales and static activations"),
+    (w8a8(DEEPSEEK_V3, "float", "tensor", static=True), "static activations is cut for mixtral and qwen3_moe"),
+    (fp8_tensor(DEEPSEEK_V3, "static"), "static activations is cut for mixtral and qwen3_moe"),
 ], ids=["fp8-static-asymmetric", "asymmetric", "group", "block-structure", "4-bit", "experts-int8-tensor",
-        "experts-int8-static", "experts-fp8-channel-static"])
+        "experts-int8-static", "experts-fp8-channel-static", "deepseek-fp8-static", "deepseek-autofp8-static"])
 def test_what_vllm_would_not_load_or_ferry_could_not_undo_is_refused(make_checkpoint, tmp_path, case, words):
     source, _ = make_checkpoint(case)
     with pytest.raises(ShardError) as refused:

@@ -27,7 +27,7 @@ from .plan import Rows, ShardPlan, plan_shards
 from .source import Checkpoint, companion_files, open_checkpoint
 from .spans import BlockBuffers, Span, piece_span, read_span
 from .versions import DEFAULT_MAX_PART_SIZE, DEFAULT_VLLM_VERSION, parse_vllm_version
-from . import intpack, w8a8, wna16
+from . import intpack, wna16
 from .write import SourceFiles, header_for, write_rank_files
 
 # vLLM's save_sharded_state example splits parts at 5 GiB by default.
@@ -143,7 +143,7 @@ class ShardJob:
         tensors (w8a8.shared_groups: an INT8 fused module's parts, an FP8 expert's w1 and w3): they must be
         stored alike, as vLLM keeps (or, for compressed-tensors experts, demands) one, and unshard rebuilds
         the others from it."""
-        groups = w8a8.shared_groups(self.plan.quant, self.checkpoint.tensors)
+        groups = self.plan.shared_groups(self.checkpoint.tensors)
         buffers, tensors = BlockBuffers(), self.checkpoint.tensors
         with SourceFiles(tensors) as sources:
             for fused, parts in groups.items():
@@ -202,8 +202,7 @@ class ShardJob:
 
     @functools.cached_property
     def _shared_names(self) -> frozenset[str]:
-        return frozenset(n for parts in w8a8.shared_groups(self.plan.quant, self.checkpoint.tensors).values()
-                         for n in parts)
+        return frozenset(n for parts in self.plan.shared_groups(self.checkpoint.tensors).values() for n in parts)
 
     def _read_in_order(self, name: str) -> bool:
         """Whether the cut of `name` depends on the order vLLM reads the files in (one of a fused module's

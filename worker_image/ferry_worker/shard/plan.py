@@ -186,6 +186,11 @@ class ShardPlan:
                                      "factor": list(self.moe_scale_refine)}
         return {"quantization": facts}
 
+    def shared_groups(self, names) -> dict[str, list[str]]:
+        """w8a8.shared_groups over the tensors among `names` that vLLM reads (a skipped layer's, e.g. an MTP
+        layer past num_hidden_layers, is in no group: its shape was never checked, and no rank file holds it)."""
+        return w8a8.shared_groups(self.quant, [n for n in names if n not in self.skipped])
+
     def moe_facts(self) -> dict:
         """What a MoE artifact was cut for (empty for a dense model), for its
         manifest: the operator records it and refuses serving flags the files

@@ -39,7 +39,7 @@ from .spans import BlockBuffers, Span, piece_span, read_span, write_span
 from .model import ShardError
 from .tensors import HeaderEntry, encode_header, itemsize, narrow
 from .versions import parse_vllm_version
-from . import w8a8, wna16
+from . import wna16
 
 UNSHARDED_NAME = "model.safetensors"
 
@@ -105,7 +105,7 @@ def _shared(plan: ShardPlan, specs: dict[str, TensorSpec], rebuilt: list[str]) -
     parts held the same dtype, shape and bytes."""
     kept = set(rebuilt)
     shared = {}
-    for parts in w8a8.shared_groups(plan.quant, specs).values():
+    for parts in plan.shared_groups(specs).values():
         held = [p for p in parts if p in kept]
         if len(held) != 1:
             raise IntegrityError(f"{', '.join(parts)}: the rank files hold {len(held)} of them, not one")

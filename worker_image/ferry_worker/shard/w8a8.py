@@ -37,7 +37,9 @@ FP8 experts with per-tensor weight scales (vLLM pairs them with static
 per-tensor activations) hold `w13_weight_scale` [E, 2] (w1's and w3's),
 `w2_weight_scale` [E] and one input scale per expert, `w13_input_scale` /
 `w2_input_scale` [E]: vLLM 0.32 refuses a checkpoint whose w1 and w3 input
-scales differ, and ShardJob checks the same before writing (`shared_groups`).
+scales differ by more than 1e-5, and ShardJob requires them identical before
+writing (`shared_groups`). Proven for Mixtral and Qwen3-MoE; DeepSeek's are
+refused until compared (fp8.STATIC_EXPERT_FAMILIES).
 
 Refused by name: asymmetric weights, asymmetric FP8 activations, groups and
 blocks (other schemes), KV-cache schemes.
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .fp8 import (PACKED, TensorFp8, follow_linears, input_scales, last_part_scale, per_part_scale,
-                  refuse_experts_and_fused, skipped_module)
+                  refuse_experts_and_fused, refuse_unproven_static_experts, skipped_module)
 from .fp8 import WEIGHT_DTYPE as FP8_DTYPE
 from .layouts import Family, Param
 from .model import ShardError
@@ -200,6 +202,8 @@ def with_scales(family: Family, quant: W8A8) -> Family:
                          f"experts only with channel scales and dynamic per-token activations, and FP8 experts "
                          f"with those or with per-tensor weight scales and static per-tensor activations; serve "
                          f"this checkpoint with format.type safetensors")
+    if quant.static_input and not quant.shared_input:
+        refuse_unproven_static_experts(family, "compressed-tensors FP8")
 
     def scales(param: Param) -> list[Param]:
         if quant.channel:  # [out, 1]: the weight's rows, whole on every rank of a row-parallel cut
