@@ -143,10 +143,9 @@ class ShardJob:
         tensors (w8a8.shared_groups: an INT8 fused module's parts, an FP8 expert's w1 and w3): they must be
         stored alike, as vLLM keeps (or, for compressed-tensors experts, demands) one, and unshard rebuilds
         the others from it."""
-        groups = self.plan.shared_groups(self.checkpoint.tensors)
         buffers, tensors = BlockBuffers(), self.checkpoint.tensors
         with SourceFiles(tensors) as sources:
-            for fused, parts in groups.items():
+            for fused, parts in self._shared_groups.items():
                 values = {}
                 for name in parts:  # a few bytes each ([1], or 0-d)
                     loc = tensors[name]
@@ -201,8 +200,12 @@ class ShardJob:
 
 
     @functools.cached_property
+    def _shared_groups(self) -> dict[str, list[str]]:
+        return self.plan.shared_groups(self.checkpoint.tensors)
+
+    @functools.cached_property
     def _shared_names(self) -> frozenset[str]:
-        return frozenset(n for parts in self.plan.shared_groups(self.checkpoint.tensors).values() for n in parts)
+        return frozenset(n for parts in self._shared_groups.values() for n in parts)
 
     def _read_in_order(self, name: str) -> bool:
         """Whether the cut of `name` depends on the order vLLM reads the files in (one of a fused module's

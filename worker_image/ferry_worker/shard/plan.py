@@ -507,8 +507,7 @@ def _check_sources(family: Family, dims: ModelDims, flags: Mapping[str, bool], t
     missing = [n for n in expected if n not in tensors]
     if missing:
         problems.append(f"missing tensor(s): {_listing(missing)}")
-    scalars = {name for _, _, source, name in _layer_sources(family, dims, flags, layers)
-               if source.block == EACH or (source.block == WHOLE and source.hf_shape == ("1",))}
+    scalars = {name for _, _, source, name in _layer_sources(family, dims, flags, layers) if source.one_value}
     wrong = [f"{n} has shape {list(tensors[n].shape)}, expected {list(shape)}"
              for n, shape in expected.items() if n in tensors and tensors[n].shape != shape
              and not (n in scalars and tensors[n].shape == ())]  # one value (per part, or shared): [1] or 0-d
@@ -661,7 +660,7 @@ class _Cutter:
             return PlannedTensor(entry.name, dtype, (len(held), rows // len(pieces[0]), width),
                                  tuple(p for ps in pieces for p in ps), axis=1)
         first = entry.sources[0]
-        if (first.block == EACH and len(entry.sources) == 1) or (first.block == WHOLE and first.hf_shape == ("1",)):
+        if first.one_value and (first.block == WHOLE or len(entry.sources) == 1):
             # one scale per expert (w2's; an input scale w1 and w3 share): [E]
             return PlannedTensor(entry.name, dtype, (len(held),), tuple(p for ps in pieces for p in ps))
         return PlannedTensor(entry.name, dtype, (len(held), rows, *trailing), tuple(p for ps in pieces for p in ps))

@@ -202,7 +202,7 @@ def with_scales(family: Family, quant: W8A8) -> Family:
                          f"experts only with channel scales and dynamic per-token activations, and FP8 experts "
                          f"with those or with per-tensor weight scales and static per-tensor activations; serve "
                          f"this checkpoint with format.type safetensors")
-    if quant.static_input and not quant.shared_input:
+    if quant.static_input:  # FP8 here: INT8 static experts were refused above
         refuse_unproven_static_experts(family, "compressed-tensors FP8")
 
     def scales(param: Param) -> list[Param]:

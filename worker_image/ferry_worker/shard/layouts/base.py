@@ -90,6 +90,12 @@ class Source:
         """The symbolic shape of the checkpoint tensor itself (all parts, when fused)."""
         return self.shape if self.fused is None else ("+".join(self.fused[1]), *self.shape[1:])
 
+    @property
+    def one_value(self) -> bool:
+        """A single value ([1], or 0-d in the checkpoint): a part's per-tensor scale (EACH), or one the parts
+        share (WHOLE)."""
+        return self.block == EACH or (self.block == WHOLE and self.shape == ("1",))
+
 
 @dataclass(frozen=True)
 class Flag:
