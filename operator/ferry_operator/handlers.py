@@ -40,7 +40,7 @@ from .executors.diagnosis import FORBIDDEN, forbidden
 from .node_cache import FillNode, RemoveFill
 from .placement import NodeFacts, node_facts, selected
 from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
-                      StepPhase, StepState, blocked, plan, recorded_artifact)
+                      RemoveWarmUp, StepPhase, StepState, WarmUp, blocked, plan, recorded_artifact)
 from .serving.wiring import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts,
                              cache_evicted_label, cache_label, deployment_facts)
 from .serving.loader import REPORTER_CLUSTER_ROLE, LoaderSettings
@@ -239,6 +239,13 @@ async def fill_jobs(namespace: str, labels: Any, body: kopf.Body, **_: Any) -> d
     return {(namespace, labels["ferry.dev/modelweights"]): dict(body)}
 
 
+@kopf.index("batch", "v1", "jobs",
+            labels={"ferry.dev/modelweights": kopf.PRESENT, "ferry.dev/step": "compiled-warm-up"})
+async def warm_up_jobs(namespace: str, labels: Any, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """serving.compiledState BeforeRollout's warm-up Jobs, by ModelWeights."""
+    return {(namespace, labels["ferry.dev/modelweights"]): dict(body)}
+
+
 @kopf.index("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
 async def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """The pods of Ferry's Jobs, by Job: their phases and termination messages."""
@@ -337,8 +344,8 @@ async def leaderworkerset_changed(namespace: str, name: str, **_: Any) -> None:
 class IndexView:
     """The kubernetes executor's view of Jobs and pods, from the indexes above."""
 
-    def __init__(self, job_index: Any, pod_index: Any, fill_index: Any = None) -> None:
-        self._jobs, self._pods, self._fills = job_index, pod_index, fill_index
+    def __init__(self, job_index: Any, pod_index: Any, fill_index: Any = None, warm_up_index: Any = None) -> None:
+        self._jobs, self._pods, self._fills, self._warm_ups = job_index, pod_index, fill_index, warm_up_index
 
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:
         found = list(self._jobs.get((namespace, name), []))
@@ -349,6 +356,9 @@ class IndexView:
 
     def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]:
         return list(self._fills.get((namespace, mw_name), [])) if self._fills is not None else []
+
+    def warm_up_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]:
+        return list(self._warm_ups.get((namespace, mw_name), [])) if self._warm_ups is not None else []
 
 
 def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str, Any]:
@@ -404,7 +414,7 @@ async def reconciler(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: st
     loop = asyncio.get_running_loop()
     indexes = {k: kwargs.get(k) for k in ("deployments", "statefulsets", "leaderworkersets", "serving_pods",
                                           "prepare_jobs", "prepare_pods", "wirings", "fill_jobs", "cache_nodes",
-                                          "all_nodes")}
+                                          "all_nodes", "warm_up_jobs")}
     patched: dict[str, Any] | None = None
     failures = 0
     try:
@@ -454,7 +464,8 @@ def reconcile_once(body: dict[str, Any], namespace: str, name: str, uid: str,
         _acting[(namespace, name)].acquire()
         # kopf passes each index under its handler's name.
         if hasattr(EXECUTOR, "view") and indexes.get("prepare_jobs") is not None:
-            EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"], indexes.get("fill_jobs"))
+            EXECUTOR.view = IndexView(indexes["prepare_jobs"], indexes["prepare_pods"], indexes.get("fill_jobs"),
+                                      indexes.get("warm_up_jobs"))
         workload_indexes = {kind: indexes.get(index) for kind, index in WORKLOAD_INDEXES.items()}
         result, patch, delay = _reconcile_and_report(body, namespace, name, uid, workload_indexes,
                                                      indexes.get("serving_pods"), indexes.get("wirings"),
@@ -583,6 +594,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
         owners=workload_owners(mw, workloads, wiring_index),
         fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
+        warm_ups=EXECUTOR.warm_ups(mw) if hasattr(EXECUTOR, "warm_ups") else None,
         prewarm_nodes=prewarm_nodes(mw, nodes or {}),
         cache_nodes=dict(node_labels or {}),
         nodes=dict(nodes or {}),
@@ -623,6 +635,16 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round, action.placement)
         elif isinstance(action, RemoveFill):
             EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
+        elif isinstance(action, WarmUp):
+            if (mw.metadata.model_extra or {}).get("deletionTimestamp"):
+                continue  # going: no pod for it any more
+            log.info("%s/%s: warming up %s's compiled state (key %s)", namespace, name, action.name, action.key)
+            if action.reporter_service_account:  # the Job's loader reports as the replicas' will
+                ensure_reporter(namespace, action.reporter_service_account)
+            EXECUTOR.warm_up(mw, uid, action.name, action.patch, action.key, action.resource_version)
+        elif isinstance(action, RemoveWarmUp):
+            log.info("%s/%s: removing warm-up Job %s (its key is no longer wanted)", namespace, name, action.job)
+            EXECUTOR.remove_warm_up(mw, action.job)
         elif isinstance(action, PatchWorkload):
             if (mw.metadata.model_extra or {}).get("deletionTimestamp"):
                 continue  # going: the delete handler puts strategies back; nothing is wired any more

@@ -19,7 +19,7 @@ from .conditions import get_condition, now, phase_of, set_condition
 from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, Template, cache_plan, refusal_notes
 from .placement import NodeFacts
 from .serving.wiring import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
-from .serving.compiled import changed, compiled_key, plan_compiled, pod_outcome
+from .serving.compiled import WarmUpFacts, changed, compiled_key, plan_compiled, pod_outcome
 from .serving.loader import LOADER_CONTAINER, LoaderSettings, health_probe
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .serving.diagnosis import UNSCHEDULABLE, WAITING_REASONS, PodTrouble
@@ -91,6 +91,8 @@ class Observed:
     prewarm_labels: tuple[str, ...] | None = None
     # The nodes whose node agent keeps their cache labels: node -> its cache.ferry.dev/ labels.
     cache_nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+    # serving.compiledState BeforeRollout: this object's warm-up Jobs by key (None: the executor runs none).
+    warm_ups: dict[str, WarmUpFacts] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,9 +143,30 @@ class PatchWorkload:
     rollout: RolloutPatch | None = None
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """BeforeRollout: run one pod of workload `name`'s template with `patch` applied (the wiring Ferry holds
+    back meanwhile) as a Job that keeps the compiled state of `key`."""
+
+    name: str
+    patch: dict
+    key: str
+    reporter_service_account: str | None = None
+    resource_version: str = ""  # the Deployment's, as the patch was planned from: a Job of a changed one is not made
+
+
+@dataclass(frozen=True)
+class RemoveWarmUp:
+    """A running warm-up Job of a key no workload waits for any more (the template changed again, the mode
+    went): it goes, with its pod and the accelerators it holds."""
+
+    job: str
+
+
 @dataclass
 class Plan:
-    actions: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact | FillNode | RemoveFill]
+    actions: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact | FillNode | RemoveFill | WarmUp
+                  | RemoveWarmUp]
     status: ModelWeightsStatus
     # Seconds until the handlers should look again (None: only on change).
     requeue_after: float | None
@@ -382,6 +405,9 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         actions += cache.actions
         waiting += cache.notes
         held = bool(cache.refused)
+    before = mw.status.compiled_state if mw.status else None
+    warmed = list(before.warmed) if before is not None else []
+    pending: set[str] = set()  # the keys a warm-up Job is run for now
     for target in targets:
         current = observed.workloads.get(target.key)
         if current is None:
@@ -396,6 +422,14 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             patch = _wire(mw, facts, target, current, loader, gated)
         except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
             return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
+        warming = _warm_up(mw, observed, target, current, patch, warmed)
+        if warming is not None:  # the wiring waits for the warm-up Job; the workload stays as it is
+            key, start, words = warming
+            pending.add(key)
+            actions += [start] if start is not None else []
+            waiting.append(words)
+            held = True
+            continue
         held_back = patch is not None and cache is not None and cache.hold
         roll = _rollout(mw, target, current, patch is not None and not held_back)
         if held_back:
@@ -411,7 +445,11 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
             waiting.append(roll.message)
         elif not current.rolled_out or not _pods_caught_up(observed, target, current, facts):
             waiting.append(f"{target.describe()} rolling out")
+    actions += [RemoveWarmUp(job.job) for key, job in (observed.warm_ups or {}).items()
+                if job.phase == "Running" and key not in pending]
     status.compiled_state = _compiled_status(mw, observed, facts, targets, gated)
+    if status.compiled_state is not None and warmed:
+        status.compiled_state = status.compiled_state.model_copy(update={"warmed": warmed[-8:]})
     loading_only = False
     status.loaded = None
     if gated:
@@ -443,6 +481,34 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         out.held = held
         return out
     return _ready(mw, facts, draft, keep_previous, actions)
+
+
+def _warm_up(mw: ModelWeights, observed: Observed, target: ServingTarget, current: WorkloadFacts,
+             patch: PatchWorkload | None, warmed: list[str]) -> tuple[str, WarmUp | None, str] | None:
+    """BeforeRollout: (the key, the Job to start or None, what the wiring waits for) while the new template's
+    key has no kept state yet; None: wire now. A key whose Job finished, kept or failed, is added to `warmed`
+    (the status keeps it): a failed warm-up does not hold the rollout, whose first Ready pod keeps the state.
+    Not for a key the workload runs already (a rewiring that keeps it), nor for pods that bind node ports."""
+    setting = mw.spec.serving.compiled_state if mw.spec.serving else None
+    if setting is None or setting.mode != CompiledStateMode.BEFORE_ROLLOUT.value or patch is None \
+            or patch.patch is None or target.kind != WorkloadKind.DEPLOYMENT.value or observed.warm_ups is None \
+            or current.host_ports:
+        return None
+    inits = ((patch.patch.get("spec") or {}).get("template") or {}).get("spec", {}).get("initContainers") or []
+    key = compiled_key(next((c.get("args") or [] for c in inits if c.get("name") == LOADER_CONTAINER), []))
+    running = compiled_key(current.init_containers.get(LOADER_CONTAINER, {}).get("args") or [])
+    if not key or key in warmed or key == running:
+        return None
+    job = observed.warm_ups.get(key)
+    if job is None:
+        return (key, WarmUp(target.name, patch.patch, key, patch.reporter_service_account, current.resource_version),
+                f"{target.describe()} waits: a warm-up Job keeps the compiled state of its new template first")
+    if job.phase == "Running":
+        why = (f"; {job.message}; or set serving.compiledState.mode: AfterFirstReady to roll without it"
+               if job.message else "")
+        return key, None, f"{target.describe()} waits for warm-up Job {job.job}{why}"
+    warmed.append(key)
+    return None
 
 
 def _rollout(mw: ModelWeights, target: ServingTarget, current: WorkloadFacts,
@@ -492,6 +558,10 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
     elif before is not None and before.key == compiled.key and before.message.startswith("new key:") \
             and restored == 0:
         message = before.message  # said until a pod of the new key restores
+    warm_up = (observed.warm_ups or {}).get(compiled.key)
+    if warm_up is not None and warm_up.phase == "Failed" and restored == 0:
+        message = (f"warm-up Job {warm_up.job} failed ({warm_up.message or 'no words'}), so the rollout went on "
+                   f"without it and the first Ready pod keeps the state; {message}")
     return CompiledStateStatus(key=compiled.key, inputs=dict(compiled.inputs), restored_replicas=restored,
                                message=message[:1024])
 

@@ -1,7 +1,8 @@
 """serving.compiledState on the real node: the first wired pod's compile caches are kept by Ferry's harvest
 sidecar once it serves, and the next pod starts with them restored and verified by its loader; a corrupt
 state is refused (the pod compiles; the next harvest replaces it); a changed command line makes a new key
-and the status names what changed; another namespace cannot mount the store.
+and the status names what changed; under BeforeRollout the next change is compiled by a warm-up Job first
+and the rolled pod starts warm; another namespace cannot mount the store.
 
 Shares the module-scoped chart operator, S3 server and checkpoint of the node lane (tests/node/conftest.py)
 and one ModelWeights for every step. The serving process is a busybox stand-in for vLLM, as in
@@ -118,6 +119,30 @@ def test_compiled_state_is_kept_restored_refused_when_corrupt_and_rekeyed(node, 
     assert logs(node, rekeyed, "vllm").startswith("COLD")
     assert "compiled state absent" in loader_message(rekeyed)
     wait_for(lambda: condition(mw_status(node, NAMESPACE, name), "Ready").get("status") == "True", "Ready", 120)
+
+    # BeforeRollout: the next command line is compiled by a warm-up Job before Ferry rolls to it, and the
+    # rolled pod starts warm with what the Job's pod compiled. (current_pod also checks that the Job's pod is
+    # not one of the Deployment's: it does not carry the selector's labels.)
+    node.kubectl("patch", "mw", name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(
+        {"spec": {"serving": {"compiledState": {"mode": "BeforeRollout"}}}}))
+    node.kubectl("patch", "deployment", name, "-n", NAMESPACE, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--seed=2"}]))
+    warm_up = wait_for(lambda: next((j for j in node.get_json(
+        "jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name},ferry.dev/step=compiled-warm-up")["items"]
+        if any(c["type"] == "Complete" and c["status"] == "True" for c in j["status"].get("conditions", []))),
+        None), "the warm-up Job complete", 240)
+    (job_pod,) = node.get_json("pods", "-n", NAMESPACE, "-l", f"job-name={warm_up['metadata']['name']}")["items"]
+    assert logs(node, job_pod, "vllm").startswith("COLD")
+    assert "compiled state published" in logs(node, job_pod, "ferry-compiled-harvest")
+    key = warm_up["metadata"]["labels"]["ferry.dev/compiled-key"]
+    warmed = wait_for(lambda: (lambda p: p if key in next(
+        c for c in p["spec"]["initContainers"] if c["name"] == "ferry-load")["args"] and "compiled state" in
+        loader_message(p) else None)(current_pod(node, name)), "the pod Ferry rolled after the warm-up", 240)
+    assert logs(node, warmed, "vllm").strip() == f"WARM compiled-by-{job_pod['metadata']['name']}"
+    assert "compiled state restored" in loader_message(warmed)
+    status = wait_for(lambda: (lambda c: c if c.get("restoredReplicas") == 1 else None)(
+        mw_status(node, NAMESPACE, name).get("compiledState") or {}), "the warm pod counted", 120)
+    assert status["warmed"] == [key] == [status["key"]]
 
     # The store is a directory of the owner's claim: a pod in another namespace cannot name that claim.
     other = unique("other-ns")

@@ -271,3 +271,40 @@ def test_an_entry_without_the_cache_key_vllm_now_uses_is_replaced(tmp_path, publ
     outcome = harvest(src, store, KEY, DEVICE)
     assert outcome.state == "published" and "f00dfeed11" in outcome.reason
     assert harvest(src, store, KEY, DEVICE).state == "present"
+
+
+@pytest.fixture
+def healthy_url():
+    """A stand-in for vLLM's /health on loopback (the harvest waits for its 200)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/health"
+    server.shutdown()
+
+
+def test_a_warm_up_harvest_exits_0_only_when_the_state_is_kept(tmp_path, healthy_url, capsys):
+    """`--once` (the warm-up Job's one container, executors/warm_up.py): its exit status is the Job's outcome."""
+    from ferry_worker.cli import main
+
+    def run(root: Path) -> int:
+        return main(["compiled-harvest", "--cache-root", str(root), "--store", str(tmp_path / "store"),
+                     "--key", KEY, "--health-url", healthy_url, "--poll-seconds", "0.1", "--once"])
+
+    (tmp_path / "empty" / "torch_compile_cache").mkdir(parents=True)
+    assert run(tmp_path / "empty") == 1  # vLLM compiled nothing: nothing to hand the replicas
+    assert "compiled state absent" in capsys.readouterr().out
+    assert run(cache(tmp_path / "cold")) == 0
+    assert "compiled state published" in capsys.readouterr().out
+    assert run(tmp_path / "cold") == 0  # already kept (a Job run twice): still a success
+    assert "compiled state present" in capsys.readouterr().out

@@ -563,6 +563,7 @@ class Rollout(Model):
 class CompiledStateMode(str, Enum):
     OFF = "Off"
     AFTER_FIRST_READY = "AfterFirstReady"
+    BEFORE_ROLLOUT = "BeforeRollout"
 
 
 class CompiledState(Model):
@@ -574,8 +575,13 @@ class CompiledState(Model):
         description="AfterFirstReady: the first wired pod of a configuration to answer /health keeps what vLLM "
                     "compiled (a sidecar publishes it on the artifact's claim, under this object's uid); every "
                     "later pod of the same configuration (weights, image, command line, device kind) has it "
-                    "restored, verified, by its loader before vLLM starts. Needs readinessGate and an artifact on "
-                    "a claim. Off: vLLM compiles in every pod.",
+                    "restored, verified, by its loader before vLLM starts. BeforeRollout: before Ferry rolls a "
+                    "Deployment to a new configuration, a warm-up Job runs one pod of the wired template (same "
+                    "image, flags, account, placement and requests) until vLLM answers /health and keeps its "
+                    "state; the rollout follows, so every replica starts warm. It needs room for one more pod: "
+                    "while it cannot be scheduled the status says so; if it fails, the rollout goes on as with "
+                    "AfterFirstReady. Both need readinessGate and an artifact on a claim. Off: vLLM compiles in "
+                    "every pod.",
     )
 
 
@@ -912,6 +918,10 @@ class CompiledStateStatus(Model):
         description="What the key hashes (weights digest, image, command line hash): a change is named.")
     restored_replicas: int = Field(0, ge=0, description="Pods of the current artifact whose loader restored a "
                                                         "verified compiled state.")
+    warmed: list[Annotated[str, Field(max_length=80, description="A configuration key.")]] = Field(
+        default_factory=list, max_length=8,
+        description="BeforeRollout: the keys whose warm-up Job finished (kept its state, or failed and the "
+                    "rollout went on without it), newest last; a rollout to one of them is not held again.")
     message: str = Field("", max_length=1024, description="Why compiled state is or is not used, in words: "
                                                           "the latest pod's outcome, or why none applies.")
 

@@ -28,7 +28,8 @@ from ..planner import ArtifactFacts, StepPhase, StepState
 from ..locations import claim_artifact_uri, claim_name, ferry_s3_artifacts, is_ferry_s3_artifact
 from ..placement import Placement
 from ..steps import Step, prepare_steps
-from . import cache_fill, diagnosis, jobs
+from ..serving import strategic
+from . import cache_fill, diagnosis, jobs, warm_up
 
 
 def _create(fn, *args: Any) -> None:
@@ -60,6 +61,7 @@ class ClusterView(Protocol):
     def job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]: ...
     def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]: ...
+    def warm_up_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]: ...
 
 
 class KubernetesExecutor:
@@ -68,6 +70,7 @@ class KubernetesExecutor:
         self.view: ClusterView | None = None
         self.core = client.CoreV1Api()
         self.batch = client.BatchV1Api()
+        self.apps = client.AppsV1Api()
         self.rbac = client.RbacAuthorizationV1Api()
         self.storage = client.StorageV1Api()
         self._identities: set[str] = set()
@@ -136,24 +139,53 @@ class KubernetesExecutor:
         return state
 
     # -- the node cache's fill Jobs (serving.nodeCache) ---------------------------------------------------------
-    def fills(self, mw: ModelWeights) -> list:
-        """This object's fill Jobs (those it owns), as node_cache.FillFacts."""
+    def _owned_jobs(self, mw: ModelWeights, step: str) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """This object's Jobs of one kind (its `ferry.dev/step` label) that it owns and that are not going, each
+        with its pods (from the view; without one, none)."""
         ns, name = mw.metadata.namespace, mw.metadata.name
         if self.view is not None:
-            found = self.view.fill_jobs(ns, name)
+            found = self.view.fill_jobs(ns, name) if step == cache_fill.FILL_STEP else self.view.warm_up_jobs(ns, name)
         else:
-            selector = f"{jobs.LABEL_MW}={name},{jobs.LABEL_STEP}={cache_fill.FILL_STEP}"
+            selector = f"{jobs.LABEL_MW}={name},{jobs.LABEL_STEP}={step}"
             found = list((_read(self.batch.list_namespaced_job, ns, label_selector=selector) or {}).get("items") or [])
         owned = [j for j in found if self._not_ours(mw, j) is None and not j["metadata"].get("deletionTimestamp")]
-        if self.view is not None:
-            return [cache_fill.fill_facts(j, self.view.pods(ns, j["metadata"]["name"])) for j in owned]
-        return [cache_fill.fill_facts(j, []) for j in owned]
+        return [(j, self.view.pods(ns, j["metadata"]["name"]) if self.view is not None else []) for j in owned]
+
+    def fills(self, mw: ModelWeights) -> list:
+        """This object's fill Jobs (those it owns), as node_cache.FillFacts."""
+        return [cache_fill.fill_facts(j, pods) for j, pods in self._owned_jobs(mw, cache_fill.FILL_STEP)]
 
     def fill(self, mw: ModelWeights, uid: str, node: str, artifact: Artifact, round_: int,
              placement: Placement | None = None) -> None:
         self._ensure_identity(mw.metadata.namespace)
         _create(self.batch.create_namespaced_job, mw.metadata.namespace,
                 cache_fill.fill_job_manifest(mw, uid, node, artifact, round_, self.settings, placement))
+
+    # -- serving.compiledState BeforeRollout: warm-up Jobs -------------------------------------------------------
+    def warm_ups(self, mw: ModelWeights) -> dict:
+        """This object's warm-up Jobs (those it owns) by key, as serving.compiled.WarmUpFacts."""
+        facts = [warm_up.warm_up_facts(j, pods) for j, pods in self._owned_jobs(mw, warm_up.WARM_UP_STEP)]
+        return {f.key: f for f in facts if f.key}
+
+    def warm_up(self, mw: ModelWeights, uid: str, name: str, patch: dict[str, Any], key: str,
+                resource_version: str = "") -> None:
+        """Start the warm-up Job of Deployment `name`'s template with Ferry's pending `patch` applied: the
+        template the key was computed from (a Deployment changed since is planned again, not warmed)."""
+        deployment = _read(self.apps.read_namespaced_deployment, name, mw.metadata.namespace)
+        if deployment is None or (resource_version and deployment["metadata"].get("resourceVersion")
+                                  != resource_version):
+            return  # gone or changed since it was read: the next reconcile plans from what it is now
+        template = strategic.apply(deployment["spec"]["template"], patch["spec"]["template"])
+        _create(self.batch.create_namespaced_job, mw.metadata.namespace,
+                warm_up.warm_up_job_manifest(mw, uid, key, template,
+                                             (deployment["spec"].get("selector") or {}).get("matchLabels") or {}))
+
+    def remove_warm_up(self, mw: ModelWeights, job: str) -> None:
+        try:
+            self.batch.delete_namespaced_job(job, mw.metadata.namespace, propagation_policy="Background")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def remove_fill(self, mw: ModelWeights, node: str, digest: str, round_: int) -> None:
         try:

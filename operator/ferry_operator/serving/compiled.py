@@ -56,6 +56,17 @@ class Compiled:
         return bool(self.key)
 
 
+@dataclass(frozen=True)
+class WarmUpFacts:
+    """BeforeRollout: one warm-up Job as its status says (executors/warm_up.py): Running (`message`: why its
+    pod is not scheduled, if so), Succeeded, or Failed (`message`: its harvest's or the Job's last words)."""
+
+    key: str
+    job: str
+    phase: str
+    message: str = ""
+
+
 def store_of(artifact_uri: str) -> tuple[str, str] | None:
     """(claim, the object's own directory on it) for a claim artifact `pvc://CLAIM/<subPath>/<uid>/<digest>/
     artifact`; None otherwise."""

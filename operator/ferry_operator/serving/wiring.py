@@ -76,6 +76,7 @@ class WorkloadFacts:
     saved_strategy: str | None = None
     old_pods: int = 0
     available: int = 0
+    host_ports: bool = False  # hostNetwork, or a container port bound on the node: pods of it cannot share one
 
 
 GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
@@ -134,6 +135,8 @@ def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> W
         resources={c["name"]: dict(c.get("resources") or {}) for c in containers},
         images={c["name"]: str(c.get("image") or "") for c in containers},
         envs={c["name"]: list(c.get("env") or []) for c in containers},
+        host_ports=bool(pod.get("hostNetwork")) or any(p.get("hostPort") for c in containers + list(
+            pod.get("initContainers") or []) for p in c.get("ports") or []),
         **{"rolled_out": False, **workload},
     )
 

@@ -28,7 +28,9 @@ def add_compiled_commands(subparsers: argparse._SubParsersAction) -> None:
     harvest.add_argument("--health-url", required=True, metavar="URL",
                          help="vLLM's /health in this pod (loopback only)")
     harvest.add_argument("--poll-seconds", type=float, default=5.0)
-    harvest.add_argument("--once", action="store_true", help="exit after the harvest instead of idling")
+    harvest.add_argument("--once", action="store_true",
+                         help="exit after the harvest instead of idling, 1 if the state was not kept (a warm-up "
+                              "Job's one container)")
     harvest.set_defaults(run=_harvest)
 
 
@@ -50,11 +52,12 @@ def _harvest(args: argparse.Namespace) -> int:
     while not _healthy(args.health_url):
         time.sleep(args.poll_seconds)
     try:
-        outcome = harvest(args.cache_root, args.store, args.key, device_kind()).describe()
+        result = harvest(args.cache_root, args.store, args.key, device_kind())
+        outcome, kept = result.describe(), result.state in ("published", "present")
     except Exception as e:  # noqa: BLE001 - a sidecar that exits is restarted, and the pod loses Ready meanwhile
-        outcome = f"compiled state not kept: {type(e).__name__}: {e}"
+        outcome, kept = f"compiled state not kept: {type(e).__name__}: {e}", False
     log.info("%s", outcome)
     print(outcome, flush=True)
     while not args.once:
         time.sleep(3600)
-    return 0
+    return 0 if kept else 1
