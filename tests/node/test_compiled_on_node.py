@@ -33,7 +33,9 @@ else
   head -c 200000 /dev/urandom > "$root/inductor/kernel.so"
 fi
 mkdir -p /tmp/www && echo ok > /tmp/www/health
-exec httpd -f -p 8000 -h /tmp/www
+trap 'exit 0' TERM  # as the pod's PID 1, httpd would ignore SIGTERM: each pod would take its 30 s grace to go
+httpd -f -p 8000 -h /tmp/www &
+wait
 """
 
 
