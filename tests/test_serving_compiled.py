@@ -128,16 +128,15 @@ def test_a_pod_that_compiles_nothing_gets_nothing_and_the_reason(args, words):
     patch = template_patch(spec(), "llama", ARTIFACT, "vllm", deployment(args), LOADER)
     pod = pod_spec(patch)
     assert [c["name"] for c in pod["initContainers"]] == [LOADER_CONTAINER]
-    compiled = plan_compiled(spec(), ARTIFACT, "img", args, False, True, 8000)
+    compiled = plan_compiled(spec(), ARTIFACT, "img", args, True, 8000)
     assert not compiled.on and words in compiled.reason
 
 
 def test_where_it_does_not_apply_says_why():
-    assert "Off" in plan_compiled(spec("Off"), ARTIFACT, "i", [], False, True, 8000).reason
-    assert "readinessGate" in plan_compiled(spec(), ARTIFACT, "i", [], False, False, 8000).reason
-    assert "multi-node" in plan_compiled(spec(), ARTIFACT, "i", [], True, True, 8000).reason
+    assert "Off" in plan_compiled(spec("Off"), ARTIFACT, "i", [], True, 8000).reason
+    assert "readinessGate" in plan_compiled(spec(), ARTIFACT, "i", [], False, 8000).reason
     s3 = ARTIFACT.model_copy(update={"uri": "s3://bucket/llama/x"})
-    assert "claim" in plan_compiled(spec(), s3, "i", [], False, True, 8000).reason
+    assert "claim" in plan_compiled(spec(), s3, "i", [], True, 8000).reason
     assert store_of(URI) == ("llama-weights", "llama/0b7e")
     for odd in ("pvc://c", "pvc://c/artifact", "pvc://c//x/artifact", "pvc://c/a/b/staging", "file:///a/b/artifact"):
         assert store_of(odd) is None
@@ -205,7 +204,7 @@ def test_the_status_counts_warm_pods_and_names_a_key_change():
 def test_a_read_only_many_claim_gets_no_compiled_state():
     s = parse(with_("storage.pvc.accessModes", ["ReadOnlyMany"], with_("serving.compiledState",
                                                                       {"mode": "AfterFirstReady"}))).spec
-    compiled = plan_compiled(s, ARTIFACT, "i", [], False, True, 8000)
+    compiled = plan_compiled(s, ARTIFACT, "i", [], True, 8000)
     assert not compiled.on and "ReadOnlyMany" in compiled.reason
 
 

@@ -322,3 +322,32 @@ def test_a_leaderworkerset_is_rolled_out_only_once_its_pods_serve_the_artifact()
     facts_ = ArtifactFacts(uri="pvc://weights/llama/abc", total_bytes=1 << 30, manifest_digest=DIGEST)
     ready = plan(mw, Observed(steps=done, artifact=facts_, workloads={"leaderworkerset/llama": wired}, pods=pods))
     assert {c.type: c for c in ready.status.conditions}["Ready"].status == "True"
+
+
+def test_a_groups_pods_keep_their_own_compiled_state_and_headless_pods_wait_on_the_leader():
+    """serving.compiledState in a group: each pod's harvest keeps its own entry (--group-index), the leader's
+    once its own vLLM serves, a worker's (no HTTP of its own) once the leader's /health answers, on the
+    port the leader template's vLLM serves; the loader restores by the same index."""
+    obj = manifest(format=PP2, serving={"targets": [{"kind": "LeaderWorkerSet", "name": "llama", "groupSize": 2}],
+                                        "compiledState": {"mode": "AfterFirstReady"}})
+    spec = parse(obj).spec
+    artifact = ARTIFACT.model_copy(update={"uri": "pvc://weights/llama/0b7e/abc/artifact"})
+    body = lws()
+    body["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["args"] += ["--port", "8080"]
+    facts = leaderworkerset_facts(body)
+    workers, leader = groups_of(spec.serving.targets[0], facts)
+    index_env = {"name": GROUP_INDEX_ENV, "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}}
+    for template, group, url in ((facts, workers, "http://$(LWS_LEADER_ADDRESS):8080/health"),
+                                 (facts.leader, leader, "http://127.0.0.1:8080/health")):
+        patch = template_patch(spec, "llama", artifact, "vllm", template, LOADER, group)
+        harvest, loader = container(patch, "ferry-compiled-harvest"), container(patch, "ferry-load")
+        args = harvest["args"]
+        assert args[args.index("--health-url") + 1] == url
+        assert args[-2:] == ["--group-index", f"$({GROUP_INDEX_ENV})"] and harvest["env"] == [index_env]
+        assert "--compiled-key" in loader["args"] and loader["args"][-2:] == ["--group-index",
+                                                                             f"$({GROUP_INDEX_ENV})"]
+        after = template_facts("llama", strategic.apply(
+            body["spec"]["leaderWorkerTemplate"]["leaderTemplate" if group is leader else "workerTemplate"],
+            patch["spec"]["template"]))
+        assert template_patch(spec, "llama", artifact, "vllm", after, LOADER, group) is None

@@ -538,8 +538,8 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
     name = target.container or next(iter(current.containers), "")
     words = current.commands.get(name, []) + current.containers.get(name, [])
     port = health_probe(words)["httpGet"]["port"]
-    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, target.pods_per_group > 1,
-                             gated, port, current.envs.get(name, []))
+    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated, port,
+                             current.envs.get(name, []))
     if not compiled.on:
         return CompiledStateStatus(message=compiled.reason)
     before = mw.status.compiled_state if mw.status else None

@@ -165,12 +165,24 @@ def wait_stalled(kube: Kube, namespace: str, name: str, timeout: float = 120) ->
     return wait_for(stalled, f"{name} Stalled", timeout)
 
 
-# vLLM's stand-in: refuses to start without the artifact, then answers /health.
+# vLLM's stand-in: refuses to start without the artifact, then answers /health. With compiled state wired
+# (VLLM_CACHE_ROOT) it "compiles" when the cache root holds nothing (COLD) and says WARM with what it found.
 STANDIN = """#!/bin/sh
 test -f /ferry/weights/ferry-manifest.json || { echo "no artifact at /ferry/weights" >&2; exit 1; }
 echo "vllm $*"
+if [ -n "$VLLM_CACHE_ROOT" ]; then
+  root="$VLLM_CACHE_ROOT/torch_compile_cache/standin/rank_0_0"
+  if [ -f "$root/graph.py" ]; then
+    echo "WARM $(cat "$root/graph.py")"
+  else
+    echo "COLD"
+    mkdir -p "$root" && echo "compiled-by-$HOSTNAME" > "$root/graph.py"
+  fi
+fi
 mkdir -p /tmp/www && echo ok > /tmp/www/health
-exec httpd -f -p 8000 -h /tmp/www
+trap 'exit 0' TERM  # as the pod's PID 1, httpd would ignore SIGTERM: each pod would take its 30 s grace to go
+httpd -f -p 8000 -h /tmp/www &
+wait
 """
 
 

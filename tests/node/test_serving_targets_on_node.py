@@ -3,6 +3,9 @@
 worker, from the templates the chart's operator wired for a PP 2 artifact, and each pod's loader verifies
 only its own pipeline stage; the same for a StatefulSet of two replicas forming one group.
 
+The LWS runs with serving.compiledState on: each pod of the group keeps and restores its own entry (the
+stand-in "compiles" into its cache root: COLD, or WARM with what it found).
+
 The serving process is the busybox stand-in (node_support.STANDIN: it prints the argv it got, after the
 kubelet expanded $(FERRY_GROUP_INDEX) and $(LWS_LEADER_ADDRESS), and answers /health); what vLLM makes
 of those argvs is proven by vLLM's own parser in tests/test_serving_vllm.py, and a real two-pod vLLM
@@ -85,6 +88,36 @@ def wait_group_loaded(kube, name: str, digest: str) -> dict[int, dict]:
     return wait_for(loaded, f"both pods of {name}'s group loaded {digest[:19]}", 300)
 
 
+def vllm_log(kube, pod: dict) -> str:
+    return kube.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, "-c", "vllm").stdout
+
+
+def compile_line(kube, pod: dict) -> str:
+    """What the stand-in found in its cache root: COLD, or WARM and who compiled it."""
+    return next(w for w in vllm_log(kube, pod).splitlines() if w.split(" ")[0] in ("COLD", "WARM"))
+
+
+def harvests_published(kube, name: str) -> dict[int, dict] | None:
+    """The group's pods once each one's harvest kept its state (the worker's waits for the leader)."""
+    pods = group_pods(kube, name)
+    logs = {i: kube.kubectl("logs", p["metadata"]["name"], "-n", NAMESPACE, "-c", "ferry-compiled-harvest",
+                            check=False).stdout for i, p in pods.items()}
+    return pods if len(pods) == 2 and all("compiled state published" in log for log in logs.values()) else None
+
+
+def describe_group(kube, name: str) -> str:
+    """What a failed wait prints: the group's pods (phase, conditions, container states) and the status."""
+    lines = []
+    for i, p in sorted(group_pods(kube, name).items()):
+        states = {c["name"]: list(c.get("state", {}))[:1] + [c.get("restartCount", 0)]
+                  for c in p["status"].get("initContainerStatuses", []) + p["status"].get("containerStatuses", [])}
+        conditions = {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
+        lines.append(f"pod {i} {p['metadata']['name']} {p['status'].get('phase')} {conditions} {states}")
+    lines.append(json.dumps(mw_status(kube, NAMESPACE, name), indent=1)[:6000])
+    lines.append(kube.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False).stdout[-4000:])
+    return "\n".join(lines)
+
+
 def test_a_leaderworkerset_group_loads_one_pipeline_stage_per_pod(node, chart_operator, node_s3, checkpoint):
     name = unique("lws")
     upload_dir(node_s3, name, "tiny-llama", checkpoint)
@@ -93,7 +126,7 @@ def test_a_leaderworkerset_group_loads_one_pipeline_stage_per_pod(node, chart_op
     mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "sharded_state", "pipelineParallelSize": 2,
                                                          "vllmVersion": "0.32"}, secret=f"{name}-s3")
     mw["spec"]["serving"] = {"targets": [{"kind": "LeaderWorkerSet", "name": name, "container": "vllm",
-                                          "groupSize": 2}]}
+                                          "groupSize": 2}], "compiledState": {"mode": "AfterFirstReady"}}
     node.apply(mw)
     status = wait_ready(node, NAMESPACE, name, timeout=420)
     digest = status["artifact"]["manifestDigest"]
@@ -111,20 +144,26 @@ def test_a_leaderworkerset_group_loads_one_pipeline_stage_per_pod(node, chart_op
         assert result["files"] == len(want) and result["totalBytes"] == sum(sizes[f] for f in want), result
         assert f"pipeline stage {index}" in gate(pod)["message"], gate(pod)
         # vLLM's multi-node flags, as the kubelet expanded them for this pod.
-        log = node.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, "-c", "vllm").stdout
-        line = next(w for w in log.splitlines() if w.startswith("vllm "))
+        line = next(w for w in vllm_log(node, pod).splitlines() if w.startswith("vllm "))
         assert f"--nnodes 2 --node-rank {index} --master-addr {name}-0.{name}.{NAMESPACE}" in line, line
         assert ("--headless" in line) is (index == 1), line
+    # Compiled state on: each pod "compiled" its own ranks.
+    assert [compile_line(node, pods[i]) for i in (0, 1)] == ["COLD", "COLD"]
 
     # A spec change (TP 1 -> 2: four ranks, two per pod) rolls the group once, onto the new artifact:
     # the operator writes the LWS's templates once (the API server's audit log), LWS recreates the group.
     leader_uid = pods[0]["metadata"]["uid"]
     wirings = len(operator_writes(name))
+    before_keys = {(mw_status(node, NAMESPACE, name).get("compiledState") or {}).get("key")}
     node.kubectl("patch", "mw", name, "-n", NAMESPACE, "--type=merge", "-p",
                  json.dumps({"spec": {"format": {"tensorParallelSize": 2}}}))
-    status = wait_for(lambda: (s := mw_status(node, NAMESPACE, name)).get("artifact", {}).get("manifestDigest")
-                      not in (None, digest) and condition(s, "Ready").get("status") == "True" and s,
-                      f"{name} Ready on the TP 2 artifact", 420)
+    try:
+        status = wait_for(lambda: (s := mw_status(node, NAMESPACE, name)).get("artifact", {}).get("manifestDigest")
+                          not in (None, digest) and condition(s, "Ready").get("status") == "True" and s,
+                          f"{name} Ready on the TP 2 artifact", 420)
+    except AssertionError:
+        print(describe_group(node, name))
+        raise
     new_digest = status["artifact"]["manifestDigest"]
     pods = wait_group_loaded(node, name, new_digest)
     assert pods[0]["metadata"]["uid"] != leader_uid
@@ -133,6 +172,32 @@ def test_a_leaderworkerset_group_loads_one_pipeline_stage_per_pod(node, chart_op
                  for p in pods.values()}
     assert len(revisions) == 1
     assert [loader_result(pods[i])["ranks"] for i in (0, 1)] == [[0, 1], [2, 3]]
+    # New weights and a new command line make a new key: both pods compile afresh, and the status says why.
+    assert [compile_line(node, pods[i]) for i in (0, 1)] == ["COLD", "COLD"]
+    compiled = wait_for(lambda: (c := mw_status(node, NAMESPACE, name).get("compiledState") or {}).get("key")
+                        and "weights, command line changed" in c.get("message", "") and c,
+                        "the status naming what changed the key", 60)
+    assert compiled["key"] not in before_keys, compiled
+
+    # Each pod's harvest keeps its own entry (the worker's once the leader serves); when the group is
+    # recreated (its leader deleted: LWS recreates the group), each new pod restores its own.
+    try:
+        published = wait_for(lambda: harvests_published(node, name), "both harvests to publish", 120)
+    except AssertionError:
+        print(describe_group(node, name))
+        raise
+    node.kubectl("delete", "pod", published[0]["metadata"]["name"], "-n", NAMESPACE, "--wait=false")
+    uids = {p["metadata"]["uid"] for p in published.values()}
+
+    def recreated():
+        now = group_pods(node, name)
+        fresh = len(now) == 2 and not uids & {p["metadata"]["uid"] for p in now.values()}
+        return now if fresh and all(gate(p).get("status") == "True" and serving_started(p)
+                                    for p in now.values()) else None
+    pods = wait_for(recreated, "the group recreated and loaded", 180)
+    for i, pod in pods.items():
+        assert compile_line(node, pod) == f"WARM compiled-by-{published[i]['metadata']['name']}", i
+        assert "compiled state restored" in gate(pod)["message"], gate(pod)
 
     # A corrupt stage-1 file fails only the stage-1 pod, naming it, and the group does not turn Ready.
     manifest = json.loads((artifact_dir(node, status) / "ferry-manifest.json").read_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 
@@ -308,3 +309,53 @@ def test_a_warm_up_harvest_exits_0_only_when_the_state_is_kept(tmp_path, healthy
     assert "compiled state published" in capsys.readouterr().out
     assert run(tmp_path / "cold") == 0  # already kept (a Job run twice): still a success
     assert "compiled state present" in capsys.readouterr().out
+
+
+HARVEST = [sys.executable, "-c", "import sys; from ferry_worker.cli import main; sys.exit(main(sys.argv[1:]))",
+           "compiled-harvest", "--poll-seconds", "0.1"]
+
+
+def test_a_waiting_harvest_ends_on_sigterm(tmp_path):
+    """The sidecar is PID 1 of its container, where the kernel drops a signal it has no handler for: without
+    one every pod with compiled state waits out its grace period (30 s) when it is deleted."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(HARVEST + ["--cache-root", str(cache(tmp_path / "c")), "--store", str(tmp_path / "s"),
+                                       "--key", KEY, "--health-url", "http://127.0.0.1:9/health"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("waiting to keep vLLM's compiled state: http://127.0.0.1:9")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0  # without the handler: -15
+    finally:
+        proc.kill()
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_group_pod_keeps_its_own_entry_once_the_leader_serves_and_its_vllm_compiled(tmp_path, healthy_url,
+                                                                                        caplog):
+    """A pod that serves no HTTP (an LWS worker) waits on its group leader's /health, then for vLLM's cache
+    key directory in its own cache root, and keeps <device>-node<I>; a non-loopback URL needs --group-index."""
+    import subprocess
+
+    from ferry_worker.cli import main
+    from ferry_worker.compiled.state import entry_name
+
+    leader = healthy_url.replace("127.0.0.1", "localhost")  # as a leader's DNS name would be given
+    root, store = tmp_path / "cache", tmp_path / "store"
+    root.mkdir()
+    proc = subprocess.Popen(HARVEST + ["--cache-root", str(root), "--store", str(store), "--key", KEY,
+                                       "--health-url", leader, "--group-index", "1", "--once"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert "holds no vLLM cache key yet" in proc.stdout.readline()  # the leader serves; this pod has nothing
+        cache(tmp_path / "cache")
+        assert proc.wait(timeout=30) == 0
+        assert "compiled state published" in proc.stdout.read()
+    finally:
+        proc.kill()
+    assert [p.name for p in (store / KEY).iterdir()] == [entry_name(device_kind(), 1)]
+    assert main(["compiled-harvest", "--cache-root", str(root), "--store", str(store), "--key", KEY,
+                 "--health-url", "http://10.0.0.9:8000/health"]) != 0
+    assert "a group leader's address goes with --group-index" in caplog.text

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api.types import Artifact, CompiledStateMode, ModelWeightsSpec
+from .groups import GROUP_INDEX_ENV, Group
 
 ENV = "VLLM_CACHE_ROOT"
 CACHE_VOLUME, CACHE_PATH = "ferry-compiled", "/ferry/compiled"
@@ -35,7 +36,7 @@ STORE_VOLUME, STORE_PATH = "ferry-compiled-store", "/ferry/compiled-store"
 STORE_DIR = "compiled"  # beside the object's artifacts: <subPath>/<uid>/compiled
 HARVEST_CONTAINER = "ferry-compiled-harvest"
 # The vLLM container's env entries Ferry writes itself: not the user's configuration, so not in the key.
-FERRY_ENV = frozenset({ENV, "FERRY_GROUP_INDEX"})
+FERRY_ENV = frozenset({ENV, GROUP_INDEX_ENV})
 # vLLM compiles nothing with these (vLLM 0.32: --enforce-eager; -O0 is compilation mode NONE).
 EAGER_FLAGS = ("--enforce-eager", "--enforce_eager", "-O0")
 
@@ -48,7 +49,8 @@ class Compiled:
     reason: str = ""
     claim: str = ""
     sub_path: str = ""
-    port: int = 8000
+    health_url: str = "http://127.0.0.1:8000/health"  # where the harvest learns that vLLM serves
+    group: Group | None = None  # a pod of a multi-node group keeps its own entry (--group-index)
     inputs: tuple[tuple[str, str], ...] = ()  # what the key hashes, by name, for the status to name a change
 
     @property
@@ -79,10 +81,11 @@ def store_of(artifact_uri: str) -> tuple[str, str] | None:
     return claim, "/".join(parts[:-2])
 
 
-def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], grouped: bool,
-                  gated: bool, port: int, env: list[dict[str, Any]] = ()) -> Compiled:
+def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], gated: bool,
+                  port: int, env: list[dict[str, Any]] = (), group: Group | None = None) -> Compiled:
     """Whether the template keeps and restores compiled state, and under which key. `env`: the vLLM
-    container's env as the user wrote it (vLLM's own cache key hashes some of it; Ferry's entries excluded)."""
+    container's env as the user wrote it (vLLM's own cache key hashes some of it; Ferry's entries excluded).
+    `group`: the template's pods form multi-node groups; each pod keeps its own entry (its ranks')."""
     setting = spec.serving.compiled_state if spec.serving else None
     if setting is None or setting.mode == CompiledStateMode.OFF.value:
         return Compiled(reason="serving.compiledState.mode is Off: vLLM compiles in every pod")
@@ -92,8 +95,6 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
                                f"restored")
     if not gated:
         return Compiled(reason="serving.compiledState needs serving.readinessGate: the loader restores it")
-    if grouped:
-        return Compiled(reason="serving.compiledState is not kept for multi-node serving groups yet")
     pvc = spec.storage.pvc if spec.storage else None
     if pvc is not None and pvc.access_modes and set(pvc.access_modes) == {"ReadOnlyMany"}:
         return Compiled(reason="serving.compiledState needs a claim the harvest can write: storage.pvc.accessModes "
@@ -110,7 +111,8 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
     environment = hashlib.sha256(json.dumps(own, sort_keys=True).encode()).hexdigest()[:12]
     inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command),
               ("env", environment))
-    return Compiled(key=key, claim=store[0], sub_path=store[1], port=port, inputs=inputs)
+    health = group.health_address(port) if group else f"http://127.0.0.1:{port}/health"
+    return Compiled(key=key, claim=store[0], sub_path=store[1], health_url=health, group=group, inputs=inputs)
 
 
 def changed(before: dict[str, str], after: Compiled) -> str:
@@ -130,12 +132,15 @@ def harvest_container(compiled: Compiled, image: str, pull_policy: str | None, s
         "name": HARVEST_CONTAINER, "image": image, "restartPolicy": "Always",  # a native sidecar
         "command": ["ferry"],
         "args": ["compiled-harvest", "--cache-root", CACHE_PATH, "--store", f"{STORE_PATH}/{STORE_DIR}",
-                 "--key", compiled.key, "--health-url", f"http://127.0.0.1:{compiled.port}/health"],
+                 "--key", compiled.key, "--health-url", compiled.health_url]
+        + (["--group-index", f"$({GROUP_INDEX_ENV})"] if compiled.group else []),
         "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH, "readOnly": True},
                          {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path}],
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": security,
     }
+    if compiled.group:  # the kubelet expands $(FERRY_GROUP_INDEX) in the args from this
+        container["env"] = [compiled.group.env()]
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
     return container

@@ -27,6 +27,7 @@ from .loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOL
 from ..steps import pre_cut, s3_store_env
 from .compiled import HARVEST_CONTAINER, harvest_current, loader_args, plan_compiled
 from .compiled import wire as wire_compiled
+from .groups import GROUP_ANNOTATION, GROUP_INDEX_ENV, Group  # noqa: F401 (re-exported)
 from .shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
                      ServingError, last_flag, recognise)
 
@@ -77,40 +78,6 @@ class WorkloadFacts:
     old_pods: int = 0
     available: int = 0
     host_ports: bool = False  # hostNetwork, or a container port bound on the node: pods of it cannot share one
-
-
-GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
-# The group size Ferry wired a template for: tells Ferry's multi-node flags and env from a user's, so
-# going back to groupSize 1 removes them.
-GROUP_ANNOTATION = "ferry.dev/group-size"
-
-
-@dataclass(frozen=True)
-class Group:
-    """A workload whose pods form serving groups of `size` (ServingTarget.groupSize > 1). Each pod learns
-    its index in its group from the pod label `index_label` (the kubelet sets FERRY_GROUP_INDEX from it, and
-    expands `$(FERRY_GROUP_INDEX)` in args), its loader verifies only that pod's slice of the ranks, and vLLM
-    runs its multiprocessing multi-node launch: --nnodes, --node-rank, --master-addr, and --headless on the
-    pods that run no API server."""
-
-    size: int
-    index_label: str
-    master_addr: str
-    headless: bool = False  # Ferry adds --headless: the template's pods run no API server (an LWS's workers)
-    # Ferry may probe /health: only where every pod of the template serves HTTP (an LWS's leader). A
-    # StatefulSet's pods share one template and all but pod 0 run headless, so its readiness is the gate.
-    probe: bool = False
-
-    def env(self) -> dict[str, Any]:
-        return {"name": GROUP_INDEX_ENV, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.labels['{self.index_label}']"}}}
-
-    def vllm_flags(self) -> list[str]:
-        return (["--nnodes", str(self.size), "--node-rank", f"$({GROUP_INDEX_ENV})", "--master-addr",
-                 self.master_addr] + (["--headless"] if self.headless else []))
-
-    def loader_args(self) -> list[str]:
-        return ["--group-size", str(self.size), "--group-index", f"$({GROUP_INDEX_ENV})"]
 
 
 def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> WorkloadFacts:
@@ -449,9 +416,8 @@ def template_patch(
     if init is not None and local:
         init["args"] += ["--copy-to", LOCAL_PATH]
         init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
-    compiled = plan_compiled(spec, artifact, current.images.get(name, ""), new_command + new_args,
-                             group is not None or was_grouped, init is not None,
-                             health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []))
+    compiled = plan_compiled(spec, artifact, current.images.get(name, ""), new_command + new_args, init is not None,
+                             health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
     if init is not None and group is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api.types import ServingTarget, WorkloadKind
+from .loader import health_probe
 from .wiring import Group, ServingError, WorkloadFacts, deployment_facts, template_facts
 
 STATEFULSET_INDEX_LABEL = "apps.kubernetes.io/pod-index"
@@ -103,12 +104,19 @@ def groups_of(target: ServingTarget, facts: WorkloadFacts) -> tuple[Group | None
                                f"vLLM's --master-addr (pod 0 of the group); set spec.serviceName to a headless "
                                f"Service")
         master = f"{facts.name}-0.{facts.service_name}"
-        return Group(size, STATEFULSET_INDEX_LABEL, master), None
+        return Group(size, STATEFULSET_INDEX_LABEL, master, leader_port=_port(facts, target.container)), None
     if facts.leader is None:
         raise ServingError(f"{target.describe()} has no leaderTemplate: in vLLM's multi-node launch the leader "
                            f"runs the API server and the workers run --headless; give it a leaderTemplate")
-    return (Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, headless=True),
-            Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, probe=True))
+    port = _port(facts.leader, target.container)
+    return (Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, headless=True, leader_port=port),
+            Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, probe=True, leader_port=port))
+
+
+def _port(facts: WorkloadFacts, container: str | None) -> int:
+    """The port the template's vLLM serves /health on (its --port, else vLLM's default)."""
+    name = container or next(iter(facts.containers), "")
+    return health_probe(facts.commands.get(name, []) + facts.containers.get(name, []))["httpGet"]["port"]
 
 
 class GroupSizeMismatch(ServingError):

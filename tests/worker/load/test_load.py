@@ -238,3 +238,26 @@ def test_the_loader_restores_compiled_state_after_the_weights_and_says_how_it_we
     with pytest.raises(SystemExit) as exit_:  # the three go together
         main(["load", "--artifact", str(artifact), "--no-report", "--compiled-key", key])
     assert exit_.value.code == 2
+
+
+def test_a_group_pod_restores_its_own_entry_and_not_another_pods(artifact: Path, tmp_path: Path):
+    """A pod of a multi-node group compiled only its own ranks: it restores <device>-node<I>, never the entry
+    of another pod of the group (nor a single-pod entry)."""
+    from ferry_worker.compiled.state import device_kind, entry_name, harvest
+    from ferry_worker.load.selection import Group
+
+    store, key = tmp_path / "store", "1" * 32
+    for name in (device_kind(), entry_name(device_kind(), 0)):  # a single pod's and the leader's
+        cache = tmp_path / name / "torch_compile_cache" / "k" / "rank_0_0"
+        cache.mkdir(parents=True)
+        (cache / "graph.py").write_text(name)
+        assert harvest(tmp_path / name, store, key, name).state == "published"
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    recorder = Recorder()
+    load(LoadRequest(str(artifact), group=Group(2, 1), compiled=(store, key, dest)), recorder)
+    assert "compiled state absent" in recorder.reports[-1][2] and not list(dest.iterdir()), recorder.reports[-1]
+    recorder = Recorder()
+    load(LoadRequest(str(artifact), group=Group(2, 0), compiled=(store, key, dest)), recorder)
+    assert "compiled state restored" in recorder.reports[-1][2], recorder.reports[-1]
+    assert (dest / "torch_compile_cache/k/rank_0_0/graph.py").read_text() == entry_name(device_kind(), 0)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -26,7 +27,12 @@ def add_compiled_commands(subparsers: argparse._SubParsersAction) -> None:
     harvest.add_argument("--store", type=Path, required=True, metavar="DIR")
     harvest.add_argument("--key", required=True)
     harvest.add_argument("--health-url", required=True, metavar="URL",
-                         help="vLLM's /health in this pod (loopback only)")
+                         help="vLLM's /health: in this pod (loopback), or with --group-index its group "
+                              "leader's, for a pod that serves no HTTP itself")
+    harvest.add_argument("--group-index", metavar="I",
+                         help="this pod's index in its multi-node serving group ($(FERRY_GROUP_INDEX)): it keeps "
+                              "its own entry, <device kind>-node<I>, once the leader serves and vLLM's cache key "
+                              "directory is in its own cache root")
     harvest.add_argument("--poll-seconds", type=float, default=5.0)
     harvest.add_argument("--once", action="store_true",
                          help="exit after the harvest instead of idling, 1 if the state was not kept (a warm-up "
@@ -36,23 +42,57 @@ def add_compiled_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def _healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback, checked
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - checked in _checked_url
             return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except Exception:  # noqa: BLE001 - anything but a 200 (a refused connection, a garbled reply) is "not yet"
         return False
 
 
-def _harvest(args: argparse.Namespace) -> int:
-    from .state import checked_name, device_kind, harvest
+def _checked_url(url: str, grouped: bool) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--health-url {url!r}: expected http://HOST:PORT/health")
+    if parts.hostname not in LOOPBACK and not grouped:
+        raise ValueError(f"--health-url {url!r}: only vLLM in this pod (http://127.0.0.1:PORT/health); a group "
+                         f"leader's address goes with --group-index")
+    return url
 
-    checked_name(args.key, "--key")
-    parts = urlsplit(args.health_url)
-    if parts.scheme not in ("http", "https") or parts.hostname not in LOOPBACK:
-        raise ValueError(f"--health-url {args.health_url!r}: only vLLM in this pod (http://127.0.0.1:PORT/health)")
-    while not _healthy(args.health_url):
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(0)
+
+
+def _wait(args: argparse.Namespace) -> None:
+    """Until vLLM serves (and, in a group, this pod's vLLM compiled something); says why once a minute."""
+    from .state import vllm_keys
+
+    said = 0.0
+    while True:
+        healthy = _healthy(args.health_url)
+        compiled = args.group_index is None or bool(vllm_keys(args.cache_root))
+        if healthy and compiled:
+            return
+        if time.monotonic() - said >= 60:
+            said = time.monotonic()
+            why = f"{args.health_url} does not answer 200 yet" if not healthy else \
+                f"{args.cache_root}/torch_compile_cache holds no vLLM cache key yet"
+            log.info("waiting to keep vLLM's compiled state: %s", why)
+            print(f"waiting to keep vLLM's compiled state: {why}", flush=True)
         time.sleep(args.poll_seconds)
+
+
+def _harvest(args: argparse.Namespace) -> int:
+    from ..load.selection import parse_group_index
+    from .state import checked_name, device_kind, entry_name, harvest
+
+    # PID 1 of its container: without a handler the kernel drops SIGTERM, and the pod waits out its grace.
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    checked_name(args.key, "--key")
+    index = None if args.group_index is None else parse_group_index(args.group_index)
+    _checked_url(args.health_url, index is not None)
+    _wait(args)
     try:
-        result = harvest(args.cache_root, args.store, args.key, device_kind())
+        result = harvest(args.cache_root, args.store, args.key, entry_name(device_kind(), index))
         outcome, kept = result.describe(), result.state in ("published", "present")
     except Exception as e:  # noqa: BLE001 - a sidecar that exits is restarted, and the pod loses Ready meanwhile
         outcome, kept = f"compiled state not kept: {type(e).__name__}: {e}", False

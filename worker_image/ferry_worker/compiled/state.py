@@ -7,7 +7,8 @@ Store layout (a directory of the ModelWeights' own claim, under its uid):
     <store>/<key>/<device>/compiled.json   {"format", "key", "device", "sha256", "bytes", "files", ...}
 
 `key` is the operator's (the weights' manifest digest, the image, the wired command line, TP/PP), `device`
-this node's kind (device_kind: GPU models, else the CPU's model and ISA flags). An entry is published once,
+this node's kind (device_kind: GPU models, else the CPU's model and ISA flags), and for a pod of a
+multi-node serving group its index as well (entry_name: `<device>-node<I>`). An entry is published once,
 by rename of a complete directory: the first harvest wins, a later one finds it and stops.
 
 Everything read back is untrusted: the manifest is read without following symlinks and bounded, the tar is
@@ -102,6 +103,12 @@ def _gpu_models() -> list[str]:
             continue
         models += [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model:")]
     return models
+
+
+def entry_name(device: str, group_index: int | None = None) -> str:
+    """The store entry of one pod's state: its device kind, and for a pod of a multi-node serving group its
+    index in the group (each pod compiles only its own ranks, so each keeps and restores its own entry)."""
+    return device if group_index is None else f"{device}-node{group_index}"
 
 
 def vllm_keys(root: Path) -> list[str]:

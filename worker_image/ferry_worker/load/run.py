@@ -86,17 +86,18 @@ def load(request: LoadRequest, reporter: Reporter) -> LoadResult:
         raise
     message = result.describe()
     if request.compiled is not None:
-        message += "; " + _restore_compiled(*request.compiled)
+        message += "; " + _restore_compiled(*request.compiled, request.group)
     reporter.report(True, reasons.LOADED, message)
     return result
 
 
-def _restore_compiled(store: Path, key: str, dest: Path) -> str:
-    """The compiled state's outcome, in words; never a failed load (without it vLLM compiles, as before)."""
-    from ..compiled.state import device_kind, restore
+def _restore_compiled(store: Path, key: str, dest: Path, group: Group | None = None) -> str:
+    """The compiled state's outcome, in words; never a failed load (without it vLLM compiles, as before).
+    A pod of a group restores its own entry (it compiled only its own ranks)."""
+    from ..compiled.state import device_kind, entry_name, restore
 
     try:
-        outcome = restore(store, key, device_kind(), dest)
+        outcome = restore(store, key, entry_name(device_kind(), group.index if group else None), dest)
     except Exception as e:  # noqa: BLE001 - the weights are loaded; the pod starts cold
         log.warning("compiled state not restored: %s", e)
         return f"compiled state refused: {type(e).__name__}: {e}"
