@@ -172,3 +172,73 @@ def test_what_a_warm_up_job_says():
     assert "container vllm waits: CrashLoopBackOff (restarted 4 times)" in warm_up_facts(job(), [crashing]).message
     queued = {**job(), "spec": {"suspend": True}}
     assert "suspended" in warm_up_facts(queued, []).message
+
+
+def refusing_executor(status: int, message: str):
+    """The kubernetes executor over a Deployment as planned, whose create of the warm-up Job the API server
+    answers with `status` and `message` (a stand-in for the two calls; the handlers' index holds no Job)."""
+    from ferry_operator.executors import jobs
+    from ferry_operator.executors.kubernetes import KubernetesExecutor
+    from ferry_operator.handlers import IndexView
+
+    class Response:
+        data = json.dumps({"metadata": {"name": NAME, "resourceVersion": "7"},
+                           "spec": {"selector": {"matchLabels": {"app": NAME}}, "template": TEMPLATE}}).encode()
+
+    def create(namespace, body):
+        _refusal(status, message)
+
+    ex = KubernetesExecutor(jobs.WorkerSettings(image=LOADER.image))
+    ex.apps.read_namespaced_deployment = lambda name, namespace, _preload_content=True: Response()
+    ex.batch.create_namespaced_job = create
+    ex.view = IndexView({}, {})
+    return ex
+
+
+def _refusal(status, message):
+    from kubernetes.client.exceptions import ApiException
+
+    error = ApiException(status=status, reason="refused")
+    error.body = json.dumps({"kind": "Status", "message": message})
+    raise error
+
+
+QUOTA = ('jobs.batch "llama-warm-1" is forbidden: exceeded quota: no-jobs, requested: count/jobs.batch=1, '
+         'used: count/jobs.batch=0, limited: count/jobs.batch=0')
+RBAC = ('jobs.batch is forbidden: User "system:serviceaccount:ferry-system:ferry" cannot create resource "jobs" '
+        'in API group "batch" in the namespace "ml"')
+
+
+def test_a_warm_up_job_the_api_server_refuses_is_a_failed_warm_up_and_the_rollout_goes_on():
+    """A quota or a webhook refusing the Job must not hold the rollout (nor stall the object): it counts as a
+    failed warm-up, quoted in the status. A permission the operator lacks (RBAC) and an outage still raise."""
+    from kubernetes.client.exceptions import ApiException
+
+    m = mw("BeforeRollout")
+    (warm,) = planned(m, {}).actions
+    ex = refusing_executor(403, QUOTA)
+    ex.warm_up(m, "0b7e", warm.name, warm.patch, warm.key, "7")
+    refused = ex.warm_ups(m)[warm.key]
+    assert refused.phase == "Failed" and refused.message.startswith("the API server refused to create it: ")
+    rolled = planned(m, ex.warm_ups(m))
+    assert [type(a) for a in rolled.actions] == [PatchWorkload]
+    after = planned(mw("BeforeRollout", status=status_of(rolled)), ex.warm_ups(m), wired_with(m.spec, deployment()))
+    assert "refused to create it" in after.status.compiled_state.message
+    assert "exceeded quota: no-jobs" in after.status.compiled_state.message
+    other = m.model_copy(update={"metadata": m.metadata.model_copy(update={"uid": "another"})})
+    assert ex.warm_ups(other) == {}  # another object's (a recreated one's) refusal is not this one's
+    for status, message in ((403, RBAC), (500, "etcdserver: request timed out")):
+        with pytest.raises(ApiException):
+            refusing_executor(status, message).warm_up(m, "0b7e", warm.name, warm.patch, warm.key, "7")
+
+
+def test_a_warm_up_job_that_makes_no_pod_is_named_with_the_way_to_see_why():
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime(2026, 12, 5, 15, 0, tzinfo=timezone.utc)
+    created = {**job(), "metadata": {**job()["metadata"], "namespace": "ml",
+                                     "creationTimestamp": (now - timedelta(seconds=45)).isoformat()}}
+    said = warm_up_facts(created, [], now).message
+    assert "made no pod in 30 s" in said and "kubectl describe job llama-warm-abc -n ml" in said
+    assert warm_up_facts(created, [], now - timedelta(seconds=30)).message == ""  # within the grace
+    assert warm_up_facts(created, [], None).message == ""  # pods unknown (no index): nothing said

@@ -146,6 +146,27 @@ def test_compiled_state_is_kept_restored_refused_when_corrupt_and_rekeyed(node, 
         mw_status(node, NAMESPACE, name).get("compiledState") or {}), "the warm pod counted", 120)
     assert status["warmed"] == [key] == [status["key"]]
 
+    # A warm-up Job the API server refuses (a quota of no Jobs) is a failed warm-up: the next change rolls at
+    # once (its pod compiles), no Job is made, and the status quotes the API server.
+    node.apply({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-jobs", "namespace": NAMESPACE},
+                "spec": {"hard": {"count/jobs.batch": "0"}}})
+    try:
+        wait_for(lambda: (node.get_json("resourcequota", "no-jobs", "-n", NAMESPACE).get("status") or {}).get(
+            "hard"), "the quota counted by its controller", 60)
+        node.kubectl("patch", "deployment", name, "-n", NAMESPACE, "--type=json", "-p", json.dumps([
+            {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--seed=3"}]))
+        said = status_message(node, name, "the API server refused to create it")["message"]
+        assert "exceeded quota: no-jobs" in said and "the rollout went on without it" in said, said
+        rolled = wait_for(lambda: (lambda p: p if "--seed=3" in next(
+            c for c in p["spec"]["containers"] if c["name"] == "vllm")["args"] and "compiled state" in
+            loader_message(p) else None)(current_pod(node, name)), "the pod rolled without a warm-up", 240)
+        assert logs(node, rolled, "vllm").startswith("COLD")
+        jobs = node.get_json("jobs", "-n", NAMESPACE, "-l", f"ferry.dev/modelweights={name},"
+                                                              f"ferry.dev/step=compiled-warm-up")["items"]
+        assert [j["metadata"]["labels"]["ferry.dev/compiled-key"] for j in jobs] in ([], [key]), jobs
+    finally:
+        node.kubectl("delete", "resourcequota", "no-jobs", "-n", NAMESPACE, check=False)
+
     # The store is a directory of the owner's claim: a pod in another namespace cannot name that claim.
     other = unique("other-ns")
     claim = f"{name}-weights"

@@ -500,14 +500,23 @@ def _unscheduled(pod: Mapping[str, Any]) -> StepState | None:
         f"(check {NODE_VALUES})"))
 
 
-def forbidden(body: str | bytes | None, fallback: str = "") -> str:
-    """A human's message for a 403 from the API server: who may not do what, and where to grant it."""
-    text = fallback
+def api_message(body: str | bytes | None, fallback: str = "") -> str:
+    """The message of an API server's error Status (untrusted words: shown, never acted on)."""
     try:
         status = json.loads(body) if body else {}
-        text = status.get("message") or text
+        return str(status.get("message") or fallback)
     except (ValueError, AttributeError):
-        pass
+        return fallback
+
+
+def rbac_denied(body: str | bytes | None) -> bool:
+    """Whether a 403 is RBAC's (a permission the operator lacks), not a quota's or a webhook's."""
+    return _RBAC_DENIED.search(api_message(body)) is not None
+
+
+def forbidden(body: str | bytes | None, fallback: str = "") -> str:
+    """A human's message for a 403 from the API server: who may not do what, and where to grant it."""
+    text = api_message(body, fallback)
     denied = _RBAC_DENIED.search(text or "")
     if denied is None:  # not RBAC: e.g. "exceeded quota", an admission webhook's refusal
         return f"the API server refused a request of the operator: {text}"

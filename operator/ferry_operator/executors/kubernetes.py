@@ -6,7 +6,8 @@ Job controller made for the Job, results included); this only creates and
 reads them. A file:// source is refused before any Job exists. Create calls
 tolerate 409 so a restarted operator converges. Reads are the API's own JSON
 (no client models), which is what `diagnosis` takes.
-Any other API error, a 403 included, propagates: the handlers report it.
+Any other API error, a 403 included, propagates: the handlers report it. The one exception is a warm-up
+Job the API server refuses (a quota, a webhook): it counts as a failed warm-up, so the rollout goes on.
 
 Jobs and their pods are read from `view` when the handlers give one (kopf
 indexes fed by label-selected watches: observing a preparing step costs the
@@ -17,7 +18,9 @@ NotStarted once more and the create answers 409, which is success.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
+from datetime import datetime, timezone
 from typing import Any, Callable, Protocol
 
 from kubernetes import client
@@ -29,7 +32,15 @@ from ..locations import claim_artifact_uri, claim_name, ferry_s3_artifacts, is_f
 from ..placement import Placement
 from ..steps import Step, prepare_steps
 from ..serving import strategic
+from ..serving.compiled import WarmUpFacts
 from . import cache_fill, diagnosis, jobs, warm_up
+
+# Warm-up Jobs the API server refused, remembered per (object uid, key) while the operator runs: at most this
+# many (the oldest go first; a forgotten one is tried again, and refused again, once).
+REFUSALS = 256
+# What a refusal of a create is when it is not the operator's permissions (RBAC) nor an outage: the object
+# itself is refused (a quota, a LimitRange, an admission webhook or policy).
+REFUSED = (400, 403, 422)
 
 
 def _create(fn, *args: Any) -> None:
@@ -76,6 +87,8 @@ class KubernetesExecutor:
         # (object uid, last step id) -> its validated result: the operator's own record of the artifact's
         # size and MoE facts, kept past the Job (the status is not trusted for them).
         self._results: dict[tuple[str, str], ArtifactFacts] = {}
+        self._refused: dict[tuple[str, str], WarmUpFacts] = {}  # (object uid, key) -> a refused warm-up Job
+        self._refused_lock = threading.Lock()
 
     def _ensure_identity(self, ns: str) -> None:
         if ns not in self._identities:
@@ -163,8 +176,11 @@ class KubernetesExecutor:
     # -- serving.compiledState BeforeRollout: warm-up Jobs -------------------------------------------------------
     def warm_ups(self, mw: ModelWeights) -> dict:
         """This object's warm-up Jobs (those it owns) by key, as serving.compiled.WarmUpFacts."""
-        facts = [warm_up.warm_up_facts(j, pods) for j, pods in self._owned_jobs(mw, warm_up.WARM_UP_STEP)]
-        return {f.key: f for f in facts if f.key}
+        now = datetime.now(timezone.utc) if self.view is not None else None  # only the view sees every pod
+        facts = [warm_up.warm_up_facts(j, pods, now) for j, pods in self._owned_jobs(mw, warm_up.WARM_UP_STEP)]
+        with self._refused_lock:
+            refused = {key: f for (uid, key), f in self._refused.items() if uid == mw.metadata.uid}
+        return {**refused, **{f.key: f for f in facts if f.key}}
 
     def warm_up(self, mw: ModelWeights, uid: str, name: str, patch: dict[str, Any], key: str,
                 resource_version: str = "") -> None:
@@ -175,9 +191,21 @@ class KubernetesExecutor:
                                   != resource_version):
             return  # gone or changed since it was read: the next reconcile plans from what it is now
         template = strategic.apply(deployment["spec"]["template"], patch["spec"]["template"])
-        _create(self.batch.create_namespaced_job, mw.metadata.namespace,
-                warm_up.warm_up_job_manifest(mw, uid, key, template,
-                                             (deployment["spec"].get("selector") or {}).get("matchLabels") or {}))
+        job = warm_up.warm_up_job_manifest(mw, uid, key, template,
+                                           (deployment["spec"].get("selector") or {}).get("matchLabels") or {})
+        try:
+            _create(self.batch.create_namespaced_job, mw.metadata.namespace, job)
+        except ApiException as exc:
+            if exc.status not in REFUSED or (exc.status == 403 and diagnosis.rbac_denied(exc.body)):
+                raise  # an outage is retried; a permission the operator lacks stalls, naming the grant
+            self._refuse(uid, WarmUpFacts(key, job["metadata"]["name"], "Failed", (
+                f"the API server refused to create it: {diagnosis.api_message(exc.body, str(exc))}")[:512]))
+
+    def _refuse(self, uid: str, facts: WarmUpFacts) -> None:
+        with self._refused_lock:
+            self._refused[(uid, facts.key)] = facts
+            while len(self._refused) > REFUSALS:
+                del self._refused[next(iter(self._refused))]
 
     def remove_warm_up(self, mw: ModelWeights, job: str) -> None:
         try:

@@ -25,6 +25,7 @@ TTL once it has finished (the status records the outcome first). Templates that 
 from __future__ import annotations
 
 import copy
+from datetime import datetime
 from typing import Any
 
 from ..api.types import ModelWeights
@@ -39,6 +40,8 @@ KEY_LABEL = "ferry.dev/compiled-key"
 WARM_UP_DEADLINE_S = 3600
 WARM_UP_TTL_S = 3600
 NEVER_READY = "ferry.dev/warm-up"  # a readiness gate no one sets: the pod never joins a Service's endpoints
+# A Job with no pod this long after its creation: its pods are refused (a quota, a LimitRange, a webhook).
+POD_CREATE_GRACE_S = 30
 WAITING = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError",
            "CreateContainerError", "InvalidImageName")
 
@@ -80,8 +83,9 @@ def warm_up_job_manifest(mw: ModelWeights, uid: str, key: str, template: dict[st
     }
 
 
-def warm_up_facts(job: dict[str, Any], pods: list[dict[str, Any]]) -> WarmUpFacts:
-    """What a warm-up Job says (untrusted words: shown, never acted on)."""
+def warm_up_facts(job: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None) -> WarmUpFacts:
+    """What a warm-up Job says (untrusted words: shown, never acted on). `now`: when `pods` are all its pods
+    (the handlers' index), a Job that made none within POD_CREATE_GRACE_S is said to."""
     meta, status = job.get("metadata") or {}, job.get("status") or {}
     key, name = (meta.get("labels") or {}).get(KEY_LABEL, ""), meta.get("name", "")
     conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
@@ -92,7 +96,7 @@ def warm_up_facts(job: dict[str, Any], pods: list[dict[str, Any]]) -> WarmUpFact
         return WarmUpFacts(key, name, "Failed", words[-512:])
     if (job.get("spec") or {}).get("suspend") or "Suspended" in conditions:
         return WarmUpFacts(key, name, "Running", "the Job is suspended (a queue holds it)")
-    return WarmUpFacts(key, name, "Running", _unscheduled(pods) or _stuck(pods))
+    return WarmUpFacts(key, name, "Running", _unscheduled(pods) or _stuck(pods) or _not_created(job, pods, now))
 
 
 def _harvest_words(pods: list[dict[str, Any]]) -> str:
@@ -123,3 +127,16 @@ def _stuck(pods: list[dict[str, Any]]) -> str:
                 return (f"its container {cs.get('name', '?')} waits: {waiting['reason']} (restarted "
                         f"{cs.get('restartCount', 0)} times) {waiting.get('message', '')}").strip()[:512]
     return ""
+
+
+def _not_created(job: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None) -> str:
+    """A Job whose pod the API server refuses never shows one: the Job controller's events say why."""
+    meta = job.get("metadata") or {}
+    try:
+        created = datetime.fromisoformat(str(meta.get("creationTimestamp")).replace("Z", "+00:00"))
+    except ValueError:
+        return ""
+    if pods or now is None or (now - created).total_seconds() < POD_CREATE_GRACE_S:
+        return ""
+    return (f"it has made no pod in {POD_CREATE_GRACE_S} s (a quota, a LimitRange or a webhook refuses it?): "
+            f"kubectl describe job {meta.get('name', '')} -n {meta.get('namespace', '')}")[:512]
