@@ -13,12 +13,12 @@ from ferry_operator.api.types import Artifact
 from ferry_operator.api.validation import parse
 from ferry_operator.planner import ArtifactFacts, Observed, StepPhase, StepState, plan
 from ferry_operator.serving.compiled import (CACHE_PATH, HARVEST_CONTAINER, STORE_VOLUME, plan_compiled,
-                                             pod_outcome, store_of)
+                                             pod_outcome, s3_store_of, store_of)
 from ferry_operator.serving.loader import LOADER_CONTAINER, LoaderSettings
 from ferry_operator.serving.weights_loaded import PodFacts
 from ferry_operator.serving.wiring import WorkloadFacts, template_patch
 from ferry_operator.steps import prepare_steps
-from spec_cases import with_
+from spec_cases import manifest, with_
 
 URI = "pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact"
 ARTIFACT = Artifact(uri=URI, format="sharded_state", tensor_parallel_size=4, manifest_digest="sha256:" + "1" * 64)
@@ -238,3 +238,75 @@ def test_each_pods_start_is_observed_once_by_its_compiled_outcome():
     assert count("off")[0] >= 80.0  # an unknown outcome is never a new label
     not_ready = {**body, "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
     assert pod_facts(not_ready).ready_seconds is None
+
+
+# --- the store in S3, beside an artifact Ferry published there ------------------------------------------------
+
+S3_STORAGE = {"pvc": {"size": "1Gi"}, "s3": {"uri": "s3://ferry-artifacts/llama", "endpoint": "http://minio:9000",
+                                            "credentialsSecretRef": {"name": "s3-creds"}}}
+S3_ARTIFACT = Artifact(uri="s3://ferry-artifacts/llama/ml/llama/0b7e/abc123", format="runai_streamer",
+                       manifest_digest="sha256:" + "4" * 64)
+
+
+def s3_spec(**serving):
+    obj = with_("serving.compiledState", {"mode": "AfterFirstReady"},
+                manifest(format={"type": "runai_streamer"}, storage=S3_STORAGE))
+    obj["spec"]["serving"].update(serving)
+    return parse(obj).spec
+
+
+def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it():
+    patch = template_patch(s3_spec(), "llama", S3_ARTIFACT, "vllm", deployment(), LOADER)
+    pod = pod_spec(patch)
+    loader, harvest = pod["initContainers"]
+    store = "s3://ferry-artifacts/llama/ml/llama/0b7e/compiled"
+    assert loader["args"][loader["args"].index("--compiled-store") + 1] == store
+    assert harvest["args"][harvest["args"].index("--store") + 1] == store
+    # The credentials by named key (never envFrom), the tar packed in a capped scratch emptyDir, no claim.
+    env = {e["name"]: e for e in harvest["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY", "optional": False}
+    assert env["TMPDIR"]["value"] == "/ferry/compiled-scratch" and "envFrom" not in harvest
+    assert {"name": "ferry-compiled-scratch", "emptyDir": {"sizeLimit": "17Gi"}} in pod["volumes"]
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v or v["name"] == STORE_VOLUME]
+    assert "$patch" not in json.dumps(harvest)  # no directive inside a container the patch adds
+    # Ferry's own S3 env, which the wiring adds to the vLLM container, is not in the key: no second rollout.
+    wired_s3 = wired(patch, deployment())
+    vllm_env = next(c for c in pod["containers"] if c["name"] == "vllm")["env"]
+    wired_s3 = replace(wired_s3, envs={"vllm": vllm_env}, weights_volume="")
+    assert template_patch(s3_spec(), "llama", S3_ARTIFACT, "vllm", wired_s3, LOADER) is None
+
+
+def test_an_s3_artifact_gets_no_compiled_state_where_no_pod_may_reach_the_store():
+    cached = plan_compiled(s3_spec(nodeCache={"enabled": True}), S3_ARTIFACT, "i", [], True, 8000)
+    assert not cached.on and "node cache" in cached.reason and "S3 credentials" in cached.reason
+    users = S3_ARTIFACT.model_copy(update={"uri": "s3://someone-elses/models/llama"})  # not Ferry's prefix
+    foreign = plan_compiled(s3_spec(), users, "i", [], True, 8000)
+    assert not foreign.on and "published to storage.s3" in foreign.reason
+    assert s3_store_of(s3_spec(), "s3://ferry-artifacts/llama/ml/llama/0b7e/abc123") == \
+        "s3://ferry-artifacts/llama/ml/llama/0b7e/compiled"
+    for odd in ("s3://ferry-artifacts/llama/ml/llama/abc", "s3://ferry-artifacts/llama/ml/llama/../x/abc",
+                "s3://ferry-artifacts/llamaX/ml/llama/0b7e/abc", "s3://ferry-artifacts/llama/ml//0b7e/abc"):
+        assert s3_store_of(s3_spec(), odd) is None, odd
+
+
+def test_deleting_the_object_deletes_its_compiled_state_beside_its_s3_artifacts():
+    """deletionPolicy Delete: a Job per S3 artifact, and one for the compiled prefix (kept or not: the setting
+    may have been turned off since)."""
+    from ferry_operator.executors import jobs
+    from ferry_operator.executors.kubernetes import KubernetesExecutor
+
+    obj = manifest(format={"type": "runai_streamer"}, storage=S3_STORAGE)
+    obj["metadata"].update(namespace="ml", uid="0b7e")
+    digest = prepare_steps(parse(obj).spec)[0].digest
+    uri = f"s3://ferry-artifacts/llama/ml/llama/0b7e/{digest}"
+    obj["status"] = {"artifact": {"uri": uri, "format": "runai_streamer", "specDigest": digest,
+                                  "manifestDigest": "sha256:" + "4" * 64}}
+    m = parse(obj)
+    made = []
+    ex = KubernetesExecutor(jobs.WorkerSettings(image=LOADER.image))
+    ex.batch.create_namespaced_job = lambda namespace, body: made.append(body)
+    ex.delete(m)
+    args = [job["spec"]["template"]["spec"]["containers"][0]["args"] for job in made]
+    assert args == [["delete-artifact", uri],
+                    ["compiled-delete", "--store", "s3://ferry-artifacts/llama/ml/llama/0b7e/compiled"]]

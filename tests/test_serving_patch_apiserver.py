@@ -189,3 +189,55 @@ def test_compiled_state_on_and_off_merges_cleanly(kube, namespace):
     mounts = [m["mountPath"] for c in off["initContainers"] + off["containers"] for m in c.get("volumeMounts", [])]
     assert not [m for m in mounts if m.startswith("/ferry/compiled")], mounts
     assert not [e for e in off["containers"][0].get("env", []) if e["name"] == "VLLM_CACHE_ROOT"]
+
+
+def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, namespace):
+    """The store follows the artifact: S3 beside one Ferry published there, the claim beside one on a claim.
+    Each move deletes what the other store's wiring added (the store volume and mounts; the scratch volume,
+    its mount, the S3 env and TMPDIR of the harvest); every patch is accepted and leaves the template at rest."""
+    from ferry_operator.serving.compiled import HARVEST_CONTAINER
+    name = "compiled-moves"
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}}, "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                             "args": ["--model", "m"]}]}}}})
+    claim = Artifact(uri="pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact", format="sharded_state",
+                     total_bytes=1 << 20, manifest_digest=DIGEST)
+    s3 = Artifact(uri="s3://ferry-artifacts/llama/ml/llama/0b7e/abc", format="runai_streamer", total_bytes=1 << 20,
+                  manifest_digest="sha256:" + "4" * 64)
+    loader = LoaderSettings(image="ferry.local/f:1")
+
+    def wire(where: str, mode: str = "AfterFirstReady") -> dict:
+        current = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+        base = RUNAI_S3 if where == "s3" else None
+        s = parse(with_("serving.compiledState", {"mode": mode}, base)).spec
+        artifact = s3 if where == "s3" else claim
+        patch = template_patch(s, "llama", artifact, "vllm", current, loader)
+        assert patch is not None
+        kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p", json.dumps(patch))
+        after = kube.get_json("deployment", name, "-n", namespace)
+        assert template_patch(s, "llama", artifact, "vllm", deployment_facts(after), loader) is None  # at rest
+        return after["spec"]["template"]["spec"]
+
+    def harvest(pod: dict) -> dict:
+        return next(c for c in pod["initContainers"] if c["name"] == HARVEST_CONTAINER)
+
+    for where in ("s3", "claim", "s3"):
+        pod = wire(where)
+        volumes = {v["name"] for v in pod["volumes"]}
+        mounts = {m["mountPath"] for m in harvest(pod)["volumeMounts"]}
+        env = {e["name"] for e in harvest(pod).get("env") or []}
+        store = harvest(pod)["args"][harvest(pod)["args"].index("--store") + 1]
+        if where == "s3":
+            assert store == "s3://ferry-artifacts/llama/ml/llama/0b7e/compiled"
+            assert "ferry-compiled-scratch" in volumes and "ferry-compiled-store" not in volumes
+            assert mounts == {"/ferry/compiled", "/ferry/compiled-scratch"} and {"AWS_ACCESS_KEY_ID", "TMPDIR"} <= env
+        else:
+            assert store == "/ferry/compiled-store/compiled" and "ferry-compiled-scratch" not in volumes
+            assert mounts == {"/ferry/compiled", "/ferry/compiled-store"} and not env, env
+        loader_mounts = {m["mountPath"] for m in pod["initContainers"][0]["volumeMounts"]}
+        assert ("/ferry/compiled-store" in loader_mounts) is (where == "claim"), loader_mounts
+    off = wire("s3", "Off")
+    assert [c["name"] for c in off["initContainers"]] == ["ferry-load"]
+    assert not [v for v in off["volumes"] if v["name"].startswith("ferry-compiled")], off["volumes"]

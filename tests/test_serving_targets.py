@@ -351,3 +351,22 @@ def test_a_groups_pods_keep_their_own_compiled_state_and_headless_pods_wait_on_t
             body["spec"]["leaderWorkerTemplate"]["leaderTemplate" if group is leader else "workerTemplate"],
             patch["spec"]["template"]))
         assert template_patch(spec, "llama", artifact, "vllm", after, LOADER, group) is None
+
+
+def test_a_group_going_back_to_single_pods_leaves_no_group_index_in_the_harvest():
+    obj = manifest(format=PP2, serving={"targets": [{"kind": "StatefulSet", "name": "llama", "groupSize": 2}],
+                                        "compiledState": {"mode": "AfterFirstReady"}})
+    artifact = ARTIFACT.model_copy(update={"uri": "pvc://weights/llama/0b7e/abc/artifact"})
+    body = {"metadata": {"name": "llama"}, "spec": {"replicas": 2, "serviceName": "llama-hl",
+                                                    "template": vllm_template(["m"])}}
+    grouped_spec = parse(obj).spec
+    group, _ = groups_of(grouped_spec.serving.targets[0], statefulset_facts(body))
+    patch = template_patch(grouped_spec, "llama", artifact, "vllm", statefulset_facts(body), LOADER, group)
+    template = strategic.apply(body["spec"]["template"], patch["spec"]["template"])
+    obj["spec"]["serving"]["targets"][0]["groupSize"] = 1
+    single = parse(obj).spec
+    again = template_patch(single, "llama", artifact, "vllm", template_facts("llama", template), LOADER, None)
+    after = strategic.apply(template, again["spec"]["template"])
+    harvest = next(c for c in after["spec"]["initContainers"] if c["name"] == "ferry-compiled-harvest")
+    assert "--group-index" not in harvest["args"] and GROUP_INDEX_ENV not in [e["name"] for e in harvest.get("env", [])]
+    assert template_patch(single, "llama", artifact, "vllm", template_facts("llama", after), LOADER, None) is None

@@ -70,6 +70,12 @@ def s3_artifact_uri(mw: ModelWeights, digest: str) -> str | None:
     return f"{s3.uri.rstrip('/')}/{mw.metadata.namespace}/{mw.metadata.name}/{identity(mw)}/{digest}"
 
 
+def s3_compiled_store_uri(mw: ModelWeights) -> str | None:
+    """Where this object's compiled state is kept beside its S3 artifacts (serving/compiled.s3_store_of): its
+    own prefix, `<storage.s3.uri>/<ns>/<name>/<uid>/compiled`; None when its artifacts are not in S3."""
+    return s3_artifact_uri(mw, "compiled")  # no digest is "compiled": never an artifact's prefix
+
+
 def claim_artifact_uri(mw: ModelWeights, digest: str) -> str:
     """The artifact of a spec as the Kubernetes executor writes it: S3, or pvc://claim/path."""
     return s3_artifact_uri(mw, digest) or f"pvc://{claim_name(mw)}/{step_paths(mw, digest)['artifact']}"

@@ -2,11 +2,12 @@
 sidecar once it serves, and the next pod starts with them restored and verified by its loader; a corrupt
 state is refused (the pod compiles; the next harvest replaces it); a changed command line makes a new key
 and the status names what changed; under BeforeRollout the next change is compiled by a warm-up Job first
-and the rolled pod starts warm; another namespace cannot mount the store.
+and the rolled pod starts warm; a warm-up Job the API server refuses (a quota) does not hold the rollout;
+another namespace cannot mount the store; an S3 artifact's state is kept in S3 beside it and deleted with it.
 
-Shares the module-scoped chart operator, S3 server and checkpoint of the node lane (tests/node/conftest.py)
-and one ModelWeights for every step. The serving process is a busybox stand-in for vLLM, as in
-test_serving_failures_on_node.py: it "compiles" (writes files under $VLLM_CACHE_ROOT) when it finds none
+Shares the module-scoped chart operator, S3 server and checkpoint of the node lane (tests/node/conftest.py),
+and one ModelWeights for the claim's steps (another for S3's). The serving process is a busybox stand-in for
+vLLM, as in test_serving_failures_on_node.py: it "compiles" (writes files under $VLLM_CACHE_ROOT) when it finds none
 and says WARM with what it found otherwise, so what vLLM would see is asserted, at the cost of seconds per
 pod instead of minutes. vLLM's own use of a restored cache is measured by bench/compile_cache_node.py.
 """
@@ -17,7 +18,8 @@ import json
 import pytest
 
 from cluster_support import wait_for
-from node_support import NAMESPACE, claim_dir, condition, mw_status, unique
+from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, s3_secret, unique,
+                          upload_dir)
 from test_serving_failures_on_node import deployment, wired_modelweights
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
@@ -184,3 +186,40 @@ def test_compiled_state_is_kept_restored_refused_when_corrupt_and_rekeyed(node, 
         assert "not found" in found.get("message", ""), found
     finally:
         node.kubectl("delete", "namespace", other, "--wait=false")
+
+
+def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it_and_deleted_with_it(node, chart_operator, node_s3,
+                                                                                   checkpoint):
+    """runai_streamer published to storage.s3: the store is in S3 beside the artifact. The first pod compiles
+    and its harvest writes the tar and then the manifest; the next pod restores from S3 (WARM, the same
+    bytes); deleting the ModelWeights (deletionPolicy Delete) empties the compiled prefix."""
+    name = unique("s3compiled")
+    upload_dir(node_s3, name, "tiny-llama", checkpoint)
+    s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
+    deployment(node, name, script=COMPILING)
+    mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "runai_streamer", "vllmVersion": "0.32"},
+                      secret=f"{name}-s3")
+    mw["spec"]["storage"]["s3"] = {"uri": f"s3://{name}/artifacts", "endpoint": node_s3.endpoint,
+                                   "credentialsSecretRef": {"name": f"{name}-s3"}}
+    mw["spec"]["serving"] = {"deployments": [{"name": name, "container": "vllm"}],
+                             "compiledState": {"mode": "AfterFirstReady"}}
+    node.apply(mw)
+    first = current_pod(node, name)
+    assert logs(node, first, "vllm").startswith("COLD")
+    assert "compiled state published" in harvested(node, first)
+    uid = node.get_json("modelweights", name, "-n", NAMESPACE)["metadata"]["uid"]
+    prefix = f"artifacts/{NAMESPACE}/{name}/{uid}/compiled/"
+    client = node_s3.client()
+
+    def stored() -> list[str]:
+        return sorted(o["Key"].removeprefix(prefix) for o in client.list_objects_v2(
+            Bucket=name, Prefix=prefix).get("Contents") or [])
+    (manifest, tar) = stored()  # sorted: compiled.json, state-<sha16>.tar
+    assert tar.endswith(".tar") and manifest.endswith("/compiled.json"), (tar, manifest)
+
+    warm = restart(node, name)
+    assert logs(node, warm, "vllm").strip() == f"WARM compiled-by-{first['metadata']['name']}"
+    assert "compiled state restored" in loader_message(warm)
+
+    node.kubectl("delete", "modelweights", name, "-n", NAMESPACE, "--wait=false")
+    wait_for(lambda: not stored(), "the compiled prefix emptied by the deletion", 180)

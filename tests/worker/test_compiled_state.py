@@ -325,12 +325,22 @@ def test_a_waiting_harvest_ends_on_sigterm(tmp_path):
                                        "--key", KEY, "--health-url", "http://127.0.0.1:9/health"],
                             stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith("waiting to keep vLLM's compiled state: http://127.0.0.1:9")
+        assert proc.stdout.readline().startswith("harvest waits: http://127.0.0.1:9")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0  # without the handler: -15
     finally:
         proc.kill()
     assert not (tmp_path / "s").exists()
+    # A warm-up Job's harvest (--once) interrupted fails its pod, so the Job never counts it Complete.
+    proc = subprocess.Popen(HARVEST + ["--cache-root", str(tmp_path / "c"), "--store", str(tmp_path / "s"),
+                                       "--key", KEY, "--health-url", "http://127.0.0.1:9/health", "--once"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("harvest waits: ")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 143
+    finally:
+        proc.kill()
 
 
 def test_a_group_pod_keeps_its_own_entry_once_the_leader_serves_and_its_vllm_compiled(tmp_path, healthy_url,

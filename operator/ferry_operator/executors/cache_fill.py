@@ -24,7 +24,8 @@ from typing import Any
 from ..api.types import Artifact, ModelWeights
 from ..locations import dns_name, identity
 from ..placement import Placement, pinned_affinity
-from ..serving.wiring import CACHE_DRIVER, s3_env
+from ..serving.s3_env import s3_env
+from ..serving.wiring import CACHE_DRIVER
 from .jobs import (LABEL_MW, LABEL_STEP, RESULT_FILE, SOURCE_MOUNT, WORKER_CONTAINER, WorkerSettings,
                    _container_security, _pod_spec, instance_credentials_env, owner_reference, pod_failure_policy,
                    prepare_deadline, unique_env)

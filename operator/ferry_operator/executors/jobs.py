@@ -413,14 +413,17 @@ def parse_result(message: str | None) -> StepResult | None:
     return StepResult(manifest_digest=digest, total_bytes=size, **parse_moe_facts(result))
 
 
-def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings) -> dict[str, Any]:
+def s3_delete_job_manifest(mw: ModelWeights, uri: str, settings: WorkerSettings,
+                           compiled: bool = False) -> dict[str, Any]:
     """At deletion (deletionPolicy Delete): `ferry delete-artifact` of one S3
-    artifact. No owner reference: the ModelWeights is going away, and garbage
+    artifact, or with `compiled` `ferry compiled-delete` of the object's compiled
+    state beside its artifacts. No owner reference: the ModelWeights is going away, and garbage
     collection would take the Job with it before it ran; the TTL removes it."""
     digest = uri.rstrip("/").rsplit("/", 1)[-1]
     labels = {LABEL_MW: mw.metadata.name, LABEL_STEP: "delete"}
+    args = ["compiled-delete", "--store", uri] if compiled else ["delete-artifact", uri]
     container = {
-        "name": "delete", "image": settings.image, "command": ["ferry"], "args": ["delete-artifact", uri],
+        "name": "delete", "image": settings.image, "command": ["ferry"], "args": args,
         "env": storage_s3_env(mw) + instance_credentials_env(settings),
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
         "securityContext": _container_security(),

@@ -28,7 +28,8 @@ from kubernetes.client.exceptions import ApiException
 
 from ..api.types import Artifact, ModelWeights
 from ..planner import ArtifactFacts, StepPhase, StepState
-from ..locations import claim_artifact_uri, claim_name, ferry_s3_artifacts, is_ferry_s3_artifact
+from ..locations import (claim_artifact_uri, claim_name, ferry_s3_artifacts, is_ferry_s3_artifact,
+                         s3_compiled_store_uri)
 from ..placement import Placement
 from ..steps import Step, prepare_steps
 from ..serving import strategic
@@ -278,9 +279,14 @@ class KubernetesExecutor:
     def delete(self, mw: ModelWeights) -> None:
         """deletionPolicy Delete: the claim goes by garbage collection (its owner
         reference); S3 artifacts Ferry wrote are removed by a Job each."""
-        for artifact in ferry_s3_artifacts(mw):
+        artifacts = ferry_s3_artifacts(mw)
+        for artifact in artifacts:
             _create(self.batch.create_namespaced_job, mw.metadata.namespace,
                     jobs.s3_delete_job_manifest(mw, artifact.uri, self.settings))
+        store = s3_compiled_store_uri(mw)
+        if artifacts and store:  # its compiled state beside them, kept or not (the setting may be off by now)
+            _create(self.batch.create_namespaced_job, mw.metadata.namespace,
+                    jobs.s3_delete_job_manifest(mw, store, self.settings, compiled=True))
 
     def finished(self, mw: ModelWeights, steps: list[Step]) -> None:
         """The artifact is recorded in the status: the Jobs of its earlier steps may go (TTL controller),

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ..api.types import SECRET_KEYS, Artifact, ModelWeights
 from ..planner import MAX_PROGRESS_REPORT_BYTES, ArtifactFacts, StepPhase, StepState
-from ..locations import ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri
+from ..locations import ferry_s3_artifacts, is_ferry_s3_artifact, s3_artifact_uri, s3_compiled_store_uri
 from .jobs import MalformedResult, parse_moe_facts, parse_result
 from .redact import redact
 from ..steps import Step
@@ -217,19 +217,26 @@ class LocalExecutor:
                 record.unlink(missing_ok=True)
 
     def delete(self, mw: ModelWeights) -> None:
-        for artifact in ferry_s3_artifacts(mw):
+        artifacts = ferry_s3_artifacts(mw)
+        for artifact in artifacts:
             self._delete_s3(mw, artifact)
+        store = s3_compiled_store_uri(mw)
+        if artifacts and store:  # its compiled state beside them
+            self._run_s3(mw, ["compiled-delete", "--store", store])
         shutil.rmtree(self._dir(mw.metadata.namespace, mw.metadata.name), ignore_errors=True)
 
     def _delete_s3(self, mw: ModelWeights, artifact: Artifact) -> None:
         """`ferry delete-artifact` of an S3 artifact Ferry wrote (its own prefix), and only of such."""
         if not is_ferry_s3_artifact(mw, artifact):
             return
+        self._run_s3(mw, ["delete-artifact", artifact.uri])
+
+    def _run_s3(self, mw: ModelWeights, argv: list[str]) -> None:
         state = self._dir(mw.metadata.namespace, mw.metadata.name) / ".delete"
         state.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self._storage_env(mw, state, with_key=False)}
-        subprocess.run([self.ferry_bin, "delete-artifact", artifact.uri], env=env, check=True,
-                       stdin=subprocess.DEVNULL, capture_output=True, timeout=600)
+        subprocess.run([self.ferry_bin, *argv], env=env, check=True, stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=600)
 
 
 def _secret(namespace: str, name: str) -> dict[str, str]:

@@ -17,7 +17,10 @@ else the CPU's ISA flags) is the pod's own, read on its node. vLLM's own cache k
 and compiler) still decides whether it uses what it finds: a stale entry is inert, never wrong.
 
 The store lives under the ModelWeights' uid on its own claim: only this object's pods mount it, and a
-state is never shared across objects, namespaces or images (docs/security.md).
+state is never shared across objects, namespaces or images (docs/security.md). For an artifact Ferry
+published to storage.s3, the store is in S3 beside it (`<storage.s3.uri>/<ns>/<name>/<uid>/compiled`): the
+loader and the harvest reach it with the S3 credentials the pod holds for the artifact already (by named
+keys), and the harvest packs its tar in a scratch emptyDir (the root filesystem is read-only).
 """
 from __future__ import annotations
 
@@ -28,13 +31,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api.types import Artifact, CompiledStateMode, ModelWeightsSpec
+from ..locations import OBJECT_STORE_FORMATS
 from .groups import GROUP_INDEX_ENV, Group
+from .s3_env import S3_ENV_NAMES, s3_env
 
 ENV = "VLLM_CACHE_ROOT"
 CACHE_VOLUME, CACHE_PATH = "ferry-compiled", "/ferry/compiled"
 STORE_VOLUME, STORE_PATH = "ferry-compiled-store", "/ferry/compiled-store"
 STORE_DIR = "compiled"  # beside the object's artifacts: <subPath>/<uid>/compiled
 HARVEST_CONTAINER = "ferry-compiled-harvest"
+# With the store in S3: where the harvest packs its tar (TMPDIR), capped as the state is (16 GiB and headers).
+SCRATCH_VOLUME, SCRATCH_PATH, SCRATCH_LIMIT = "ferry-compiled-scratch", "/ferry/compiled-scratch", "17Gi"
 # The vLLM container's env entries Ferry writes itself: not the user's configuration, so not in the key.
 FERRY_ENV = frozenset({ENV, GROUP_INDEX_ENV})
 # vLLM compiles nothing with these (vLLM 0.32: --enforce-eager; -O0 is compilation mode NONE).
@@ -51,6 +58,8 @@ class Compiled:
     sub_path: str = ""
     health_url: str = "http://127.0.0.1:8000/health"  # where the harvest learns that vLLM serves
     group: Group | None = None  # a pod of a multi-node group keeps its own entry (--group-index)
+    s3_store: str = ""  # the store in S3 (s3://.../compiled), beside an artifact Ferry published there
+    store_env: tuple[dict[str, Any], ...] = ()  # what the harvest needs to reach the S3 store
     inputs: tuple[tuple[str, str], ...] = ()  # what the key hashes, by name, for the status to name a change
 
     @property
@@ -81,6 +90,19 @@ def store_of(artifact_uri: str) -> tuple[str, str] | None:
     return claim, "/".join(parts[:-2])
 
 
+def s3_store_of(spec: ModelWeightsSpec, artifact_uri: str) -> str | None:
+    """The S3 store beside an artifact Ferry published to storage.s3 (`<storage.s3.uri>/<ns>/<name>/<uid>/
+    <digest>`, locations.s3_artifact_uri): `.../<uid>/compiled`; None for any other URI."""
+    s3 = spec.storage.s3 if spec.storage else None
+    if s3 is None or spec.format.type not in OBJECT_STORE_FORMATS:
+        return None
+    base = s3.uri.rstrip("/") + "/"
+    parts = artifact_uri[len(base):].split("/") if artifact_uri.startswith(base) else []
+    if len(parts) != 4 or not all(parts) or any(p in (".", "..") for p in parts):
+        return None
+    return base + "/".join(parts[:3] + [STORE_DIR])
+
+
 def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], gated: bool,
                   port: int, env: list[dict[str, Any]] = (), group: Group | None = None) -> Compiled:
     """Whether the template keeps and restores compiled state, and under which key. `env`: the vLLM
@@ -95,15 +117,21 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
                                f"restored")
     if not gated:
         return Compiled(reason="serving.compiledState needs serving.readinessGate: the loader restores it")
+    store, s3_store = store_of(artifact.uri), s3_store_of(spec, artifact.uri)
     pvc = spec.storage.pvc if spec.storage else None
-    if pvc is not None and pvc.access_modes and set(pvc.access_modes) == {"ReadOnlyMany"}:
+    if store is not None and pvc is not None and pvc.access_modes and set(pvc.access_modes) == {"ReadOnlyMany"}:
         return Compiled(reason="serving.compiledState needs a claim the harvest can write: storage.pvc.accessModes "
                                "is ReadOnlyMany")
-    store = store_of(artifact.uri)
-    if store is None:
-        return Compiled(reason=f"serving.compiledState needs an artifact on a claim (storage.pvc); "
-                               f"{artifact.uri.split('://')[0]}:// artifacts have none")
-    own = [e for e in env if isinstance(e, dict) and e.get("name") not in FERRY_ENV]
+    cached = bool(spec.serving and spec.serving.node_cache and spec.serving.node_cache.enabled)
+    if s3_store is not None and cached:
+        return Compiled(reason="serving.compiledState is not kept for an S3 artifact served from the node cache: "
+                               "its pods hold no S3 credentials, and Ferry does not give them some")
+    if store is None and s3_store is None:
+        return Compiled(reason=f"serving.compiledState needs an artifact on a claim (storage.pvc) or one Ferry "
+                               f"published to storage.s3; {artifact.uri.split('://')[0]}:// artifacts of this "
+                               f"kind have none")
+    # Ferry's S3 env arrives with its wiring: not the user's configuration (it would re-key the next reconcile).
+    own = [e for e in env if isinstance(e, dict) and e.get("name") not in FERRY_ENV | S3_ENV_NAMES]
     seen = json.dumps([artifact.manifest_digest or artifact.uri, image, words, own], separators=(",", ":"),
                       sort_keys=True)
     key = hashlib.sha256(seen.encode()).hexdigest()[:32]
@@ -112,6 +140,9 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
     inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command),
               ("env", environment))
     health = group.health_address(port) if group else f"http://127.0.0.1:{port}/health"
+    if s3_store is not None:
+        return Compiled(key=key, health_url=health, group=group, inputs=inputs, s3_store=s3_store,
+                        store_env=tuple(s3_env(spec)))
     return Compiled(key=key, claim=store[0], sub_path=store[1], health_url=health, group=group, inputs=inputs)
 
 
@@ -121,26 +152,35 @@ def changed(before: dict[str, str], after: Compiled) -> str:
     return ", ".join(names)
 
 
+def _store(compiled: Compiled) -> str:
+    return compiled.s3_store or f"{STORE_PATH}/{STORE_DIR}"
+
+
 def loader_args(compiled: Compiled) -> list[str]:
-    return ["--compiled-store", f"{STORE_PATH}/{STORE_DIR}", "--compiled-key", compiled.key,
-            "--compiled-to", CACHE_PATH]
+    return ["--compiled-store", _store(compiled), "--compiled-key", compiled.key, "--compiled-to", CACHE_PATH]
 
 
 def harvest_container(compiled: Compiled, image: str, pull_policy: str | None, security: dict[str, Any],
                       store: str = STORE_VOLUME) -> dict[str, Any]:
+    if compiled.s3_store:  # packs its tar in the scratch emptyDir, uploads it with the pod's S3 credentials
+        mount = {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH}
+        env = [*compiled.store_env, {"name": "TMPDIR", "value": SCRATCH_PATH}]
+    else:
+        mount, env = {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path}, []
     container: dict[str, Any] = {
         "name": HARVEST_CONTAINER, "image": image, "restartPolicy": "Always",  # a native sidecar
         "command": ["ferry"],
-        "args": ["compiled-harvest", "--cache-root", CACHE_PATH, "--store", f"{STORE_PATH}/{STORE_DIR}",
+        "args": ["compiled-harvest", "--cache-root", CACHE_PATH, "--store", _store(compiled),
                  "--key", compiled.key, "--health-url", compiled.health_url]
         + (["--group-index", f"$({GROUP_INDEX_ENV})"] if compiled.group else []),
-        "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH, "readOnly": True},
-                         {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path}],
+        "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH, "readOnly": True}, mount],
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": security,
     }
     if compiled.group:  # the kubelet expands $(FERRY_GROUP_INDEX) in the args from this
-        container["env"] = [compiled.group.env()]
+        env.append(compiled.group.env())
+    if env:
+        container["env"] = env
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
     return container
@@ -162,28 +202,66 @@ def _store_volume(compiled: Compiled, pod: dict[str, Any], weights_volume: str) 
     return STORE_VOLUME
 
 
+def was_s3_store(have: dict[str, Any] | None) -> bool:
+    """Whether the template's harvest (as read: its args) keeps the state in S3."""
+    args = list((have or {}).get("args") or [])
+    return any(a == "--store" and i + 1 < len(args) and args[i + 1].startswith("s3://") for i, a in enumerate(args))
+
+
 def wire(compiled: Compiled, pod: dict[str, Any], c: dict[str, Any], init: dict[str, Any] | None,
-         was_on: bool, weights_volume: str) -> None:
-    """Add the pieces (compiled.on) or delete those an earlier wiring added (was_on) in the template patch."""
+         have: dict[str, Any] | None, weights_volume: str) -> None:
+    """Add the pieces (compiled.on) or delete those an earlier wiring added (`have`: the template's harvest
+    as read, None if it has none) in the template patch. Lists merge by name or mountPath, so what the other
+    store's wiring added is deleted by name; a delete directive goes only into a container the template has."""
     if compiled.on and init is not None:  # its args carry loader_args(compiled) already (they decide current)
-        store = _store_volume(compiled, pod, weights_volume)
-        init["volumeMounts"] += [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH},
-                                 {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path,
-                                  "readOnly": True}]
-        pod["initContainers"] = [init, harvest_container(compiled, init["image"], init.get("imagePullPolicy"),
-                                                         init["securityContext"], store)]
+        if compiled.s3_store:
+            _wire_s3_store(compiled, pod, init, have)
+        else:
+            _wire_claim_store(compiled, pod, init, have, weights_volume)
         pod.setdefault("volumes", []).append({"name": CACHE_VOLUME, "emptyDir": {}})
         c.setdefault("env", []).append({"name": ENV, "value": CACHE_PATH})
         c.setdefault("volumeMounts", []).append({"name": CACHE_VOLUME, "mountPath": CACHE_PATH})
-    elif was_on:
+    elif have is not None:
         if init is not None:  # mounts merge by mountPath: the loader's of the volumes that go, go too
             init["volumeMounts"] += [{"mountPath": CACHE_PATH, "$patch": "delete"},
                                      {"mountPath": STORE_PATH, "$patch": "delete"}]
         pod.setdefault("initContainers", []).append({"name": HARVEST_CONTAINER, "$patch": "delete"})
-        pod.setdefault("volumes", []).extend([{"name": CACHE_VOLUME, "$patch": "delete"},
-                                              {"name": STORE_VOLUME, "$patch": "delete"}])
+        pod.setdefault("volumes", []).extend([{"name": name, "$patch": "delete"}
+                                              for name in (CACHE_VOLUME, STORE_VOLUME, SCRATCH_VOLUME)])
         c.setdefault("env", []).append({"name": ENV, "$patch": "delete"})
         c.setdefault("volumeMounts", []).append({"mountPath": CACHE_PATH, "$patch": "delete"})
+
+
+def _wire_s3_store(compiled: Compiled, pod: dict[str, Any], init: dict[str, Any], have: dict[str, Any] | None) -> None:
+    harvest = harvest_container(compiled, init["image"], init.get("imagePullPolicy"), init["securityContext"])
+    init["volumeMounts"].append({"name": CACHE_VOLUME, "mountPath": CACHE_PATH})
+    pod.setdefault("volumes", []).append({"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": SCRATCH_LIMIT}})
+    if have is not None and not was_s3_store(have):  # from the claim's store: its volume and mounts go
+        init["volumeMounts"].append({"mountPath": STORE_PATH, "$patch": "delete"})
+        harvest["volumeMounts"].append({"mountPath": STORE_PATH, "$patch": "delete"})
+        pod["volumes"].append({"name": STORE_VOLUME, "$patch": "delete"})
+    pod["initContainers"] = [init, _ungrouped(compiled, harvest, have)]
+
+
+def _wire_claim_store(compiled: Compiled, pod: dict[str, Any], init: dict[str, Any], have: dict[str, Any] | None,
+                      weights_volume: str) -> None:
+    store = _store_volume(compiled, pod, weights_volume)
+    harvest = harvest_container(compiled, init["image"], init.get("imagePullPolicy"), init["securityContext"], store)
+    init["volumeMounts"] += [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH},
+                             {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path, "readOnly": True}]
+    if was_s3_store(have):  # from S3: the scratch volume, its mount and the S3 credentials go from the harvest
+        harvest["volumeMounts"].append({"mountPath": SCRATCH_PATH, "$patch": "delete"})
+        harvest["env"] = [*harvest.get("env", []), *({"name": n, "$patch": "delete"}
+                                                      for n in sorted(S3_ENV_NAMES | {"TMPDIR"}))]
+        pod.setdefault("volumes", []).append({"name": SCRATCH_VOLUME, "$patch": "delete"})
+    pod["initContainers"] = [init, _ungrouped(compiled, harvest, have)]
+
+
+def _ungrouped(compiled: Compiled, harvest: dict[str, Any], have: dict[str, Any] | None) -> dict[str, Any]:
+    """A harvest wired for a group before (--group-index) and no longer: its group index env goes too."""
+    if compiled.group is None and have is not None and "--group-index" in (have.get("args") or []):
+        harvest["env"] = [*harvest.get("env", []), {"name": GROUP_INDEX_ENV, "$patch": "delete"}]
+    return harvest
 
 
 def harvest_current(compiled: Compiled, have: dict[str, Any] | None, image: str) -> bool:

@@ -24,10 +24,11 @@ from ..placement import Placement, placement_of
 from .loader import (GATE, LOADER_CONTAINER, LOCAL_PATH, LOCAL_VOLUME, TOKEN_VOLUME, LoaderSettings,
                      fitted_resources, health_probe, loader_container, local_volume, token_volume, unwired_gates,
                      wired_gates)
-from ..steps import pre_cut, s3_store_env
+from ..steps import pre_cut
 from .compiled import HARVEST_CONTAINER, harvest_current, loader_args, plan_compiled
 from .compiled import wire as wire_compiled
 from .groups import GROUP_ANNOTATION, GROUP_INDEX_ENV, Group  # noqa: F401 (re-exported)
+from .s3_env import s3_env  # noqa: F401 (re-exported)
 from .shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
                      ServingError, last_flag, recognise)
 
@@ -270,20 +271,6 @@ def preferred_nodes(current: list[dict[str, Any]], digest: str | None) -> list[d
     return terms
 
 
-def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
-    """Environment for streaming from S3 (runai_streamer, tensorizer, the loader's checks)."""
-    s3 = spec.storage.s3 if spec.storage else None
-    env = s3_store_env(s3, (s3.credentials_secret_ref if s3 else None) or spec.source.credentials_secret_ref)
-    if s3 is not None and s3.endpoint:
-        env += [
-            # S3-compatible stores usually want path-style addressing.
-            {"name": "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "value": "0"},
-            # No instance metadata service to ask for credentials off AWS.
-            {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
-        ]
-    return env
-
-
 def loader_applies(spec: ModelWeightsSpec, artifact: Artifact, loader: LoaderSettings | None) -> bool:
     """Whether the pods get Ferry's loader and readiness gate: asked for, and an
     artifact with a manifest to verify (nothing is prepared for runai_streamer
@@ -474,7 +461,7 @@ def template_patch(
         pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]
         pod["readinessGates"] = unwired_gates(current.readiness_gates)
         pod.setdefault("volumes", []).append({"name": TOKEN_VOLUME, "$patch": "delete"})
-    wire_compiled(compiled, pod, c, init, HARVEST_CONTAINER in current.init_containers, VOLUME_NAME)
+    wire_compiled(compiled, pod, c, init, current.init_containers.get(HARVEST_CONTAINER), VOLUME_NAME)
     annotations: dict[str, Any] = {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}
     if group is not None:
         annotations[GROUP_ANNOTATION] = str(group.size)

@@ -24,7 +24,9 @@ def add_compiled_commands(subparsers: argparse._SubParsersAction) -> None:
                     "left as it is. Then idle (a native sidecar that exits is restarted).",
     )
     harvest.add_argument("--cache-root", type=Path, required=True, metavar="DIR")
-    harvest.add_argument("--store", type=Path, required=True, metavar="DIR")
+    harvest.add_argument("--store", required=True, metavar="DIR|s3://BUCKET/PREFIX",
+                         help="the object's store: a directory of its claim, or its s3:// prefix (credentials "
+                              "from the environment)")
     harvest.add_argument("--key", required=True)
     harvest.add_argument("--health-url", required=True, metavar="URL",
                          help="vLLM's /health: in this pod (loopback), or with --group-index its group "
@@ -38,6 +40,21 @@ def add_compiled_commands(subparsers: argparse._SubParsersAction) -> None:
                          help="exit after the harvest instead of idling, 1 if the state was not kept (a warm-up "
                               "Job's one container)")
     harvest.set_defaults(run=_harvest)
+    delete = subparsers.add_parser(
+        "compiled-delete", help="delete an object's compiled state from S3 (its ModelWeights was deleted)",
+        description="Delete every object under STORE, an s3:// prefix ending in /compiled, and abort its "
+                    "unfinished uploads.")
+    delete.add_argument("--store", required=True, metavar="s3://BUCKET/PREFIX/compiled")
+    delete.set_defaults(run=_delete)
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from .s3_store import delete_all
+
+    deleted = delete_all(args.store)
+    log.info("deleted %d objects under %s", deleted, args.store)
+    print(f"deleted {deleted} objects under {args.store}", flush=True)
+    return 0
 
 
 def _healthy(url: str) -> bool:
@@ -58,8 +75,13 @@ def _checked_url(url: str, grouped: bool) -> str:
     return url
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    sys.exit(0)
+def _on_sigterm(once: bool):
+    """The pod is ending: a sidecar goes at once (0). A warm-up Job's harvest ends as the kubelet's SIGKILL
+    would have (143): a drained or preempted pod fails, so the Job's DisruptionTarget rule applies, and an
+    interrupted warm-up never counts as Complete."""
+    def handler(signum: int, frame: object) -> None:
+        sys.exit(128 + signal.SIGTERM if once else 0)
+    return handler
 
 
 def _wait(args: argparse.Namespace) -> None:
@@ -76,23 +98,24 @@ def _wait(args: argparse.Namespace) -> None:
             said = time.monotonic()
             why = f"{args.health_url} does not answer 200 yet" if not healthy else \
                 f"{args.cache_root}/torch_compile_cache holds no vLLM cache key yet"
-            log.info("waiting to keep vLLM's compiled state: %s", why)
-            print(f"waiting to keep vLLM's compiled state: {why}", flush=True)
+            log.info("harvest waits: %s", why)
+            print(f"harvest waits: {why}", flush=True)
         time.sleep(args.poll_seconds)
 
 
 def _harvest(args: argparse.Namespace) -> int:
     from ..load.selection import parse_group_index
-    from .state import checked_name, device_kind, entry_name, harvest
+    from .s3_store import harvest_into
+    from .state import checked_name, device_kind, entry_name
 
     # PID 1 of its container: without a handler the kernel drops SIGTERM, and the pod waits out its grace.
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm(args.once))
     checked_name(args.key, "--key")
     index = None if args.group_index is None else parse_group_index(args.group_index)
     _checked_url(args.health_url, index is not None)
     _wait(args)
     try:
-        result = harvest(args.cache_root, args.store, args.key, entry_name(device_kind(), index))
+        result = harvest_into(args.cache_root, args.store, args.key, entry_name(device_kind(), index))
         outcome, kept = result.describe(), result.state in ("published", "present")
     except Exception as e:  # noqa: BLE001 - a sidecar that exits is restarted, and the pod loses Ready meanwhile
         outcome, kept = f"compiled state not kept: {type(e).__name__}: {e}", False

@@ -133,7 +133,7 @@ def harvest(cache_root: Path, store: Path, key: str, device: str, limits: Limits
     (store / key).mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{device}.partial-", dir=store / key))
     try:
-        digest, size, files, content = _write_tar(cache_root, staging / STATE, limits)
+        digest, size, files, content = write_tar(cache_root, staging / STATE, limits)
         if not files:
             return Outcome("absent", f"{cache_root} holds no file: vLLM compiled nothing to keep")
         manifest = {"format": FORMAT, "key": key, "device": device, "sha256": digest, "bytes": size,
@@ -171,16 +171,21 @@ def _stale(store: Path, key: str, device: str, keys: list[str]) -> str:
         m = json.loads(read_beneath(store, f"{key}/{device}/{MANIFEST}", MAX_MANIFEST) or b"{}")
     except (ValueError, RecursionError, UnsafePathError, OSError) as e:
         return str(e)
-    held = m.get("vllmKeys") if isinstance(m, dict) else None
-    missing = sorted(set(keys) - set(held if isinstance(held, list) else []))
+    missing = sorted(set(keys) - held_keys(m))
     return f"lacked vLLM's cache key(s) {', '.join(missing)[:200]}" if missing else ""
+
+
+def held_keys(manifest: object) -> set[str]:
+    """The vLLM cache keys a stored manifest says its entry holds (untrusted: anything but strings is none)."""
+    held = manifest.get("vllmKeys") if isinstance(manifest, dict) else None
+    return {k for k in held if isinstance(k, str)} if isinstance(held, list) else set()
 
 
 def _raise(error: OSError) -> None:
     raise error
 
 
-def _write_tar(root: Path, path: Path, limits: Limits) -> tuple[str, int, int, int]:
+def write_tar(root: Path, path: Path, limits: Limits) -> tuple[str, int, int, int]:
     """`root`'s regular files and directories as one tar at `path` (sha256, bytes, files, content bytes).
     Walked by directory fd (os.fwalk): no symlink is followed at any depth, a directory swapped during the
     walk is refused by fwalk, each file is opened beneath its directory with O_NOFOLLOW and must be a
@@ -198,13 +203,12 @@ def _write_tar(root: Path, path: Path, limits: Limits) -> tuple[str, int, int, i
                     _add_dir(tar, name if relative_dir == "." else f"{relative_dir}/{name}")
                 for name in sorted(filenames):
                     relative = name if relative_dir == "." else f"{relative_dir}/{name}"
-                    size = _add_file(tar, dirfd, name, relative)
+                    size = _add_file(tar, dirfd, name, relative, limits.bytes - content)
                     if size is None:
                         continue
                     files, members, content = files + 1, members + 1, content + size
-                    if members > limits.files or content > limits.bytes:
-                        raise CompiledStateError(f"{root} holds more than {limits.files} entries or "
-                                                 f"{limits.bytes} bytes: not harvested")
+                    if members > limits.files:
+                        raise CompiledStateError(f"{root} holds more than {limits.files} entries: not harvested")
         raw.flush()
         os.fsync(raw.fileno())
     h = hashlib.sha256()
@@ -222,9 +226,10 @@ def _add_dir(tar: tarfile.TarFile, relative: str) -> None:
     tar.addfile(info)
 
 
-def _add_file(tar: tarfile.TarFile, dirfd: int, name: str, relative: str) -> int | None:
+def _add_file(tar: tarfile.TarFile, dirfd: int, name: str, relative: str, budget: int) -> int | None:
     """One file, opened beneath its directory without following a symlink; None for anything but a regular
-    file (a symlink, a fifo, a socket: skipped)."""
+    file (a symlink, a fifo, a socket: skipped). Refused before a byte is written when it would take the
+    content past `budget` (the tar's scratch space is capped: a tar past it would get the pod evicted)."""
     if path_problem(relative):
         raise CompiledStateError(f"{relative[:200]!r}: {path_problem(relative)}")
     try:
@@ -237,6 +242,9 @@ def _add_file(tar: tarfile.TarFile, dirfd: int, name: str, relative: str) -> int
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
+        if st.st_size > budget:
+            raise CompiledStateError(f"{relative[:200]!r} ({st.st_size} bytes) takes the state past its limit of "
+                                     f"bytes: not harvested")
         info = tarfile.TarInfo(relative)
         info.size, info.mtime, info.mode = st.st_size, int(st.st_mtime), 0o644
         tar.addfile(info, f)  # a file that shrank meanwhile fails the harvest (tarfile: unexpected end)
@@ -248,7 +256,7 @@ def _damage(store: Path, key: str, device: str) -> str:
     sha256 of its whole state.tar, read as a restore reads them."""
     where = f"{key}/{device}"
     try:
-        m = _manifest(read_beneath(store, f"{where}/{MANIFEST}", MAX_MANIFEST) or b"", key, device, Limits())
+        m = manifest_of(read_beneath(store, f"{where}/{MANIFEST}", MAX_MANIFEST) or b"", key, device, Limits())
         with open(open_beneath(store, f"{where}/{STATE}"), "rb") as f:
             h, n = hashlib.sha256(), 0
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -295,14 +303,15 @@ def restore(store: Path, key: str, device: str, dest: Path, limits: Limits = Lim
     if held:  # the init container ran before in this pod (its sandbox was recreated): vLLM has what is there
         return Outcome("refused", f"{dest} already holds {len(held)} entries; nothing restored over them")
     try:
-        manifest = _manifest(raw, key, device, limits)
+        manifest = manifest_of(raw, key, device, limits)
         files, size = _extract(store, where, dest, manifest, limits)
     except (CompiledStateError, UnsafePathError, tarfile.TarError, OSError) as e:
         return Outcome("refused", f"{where} failed verification and is not used ({e}): vLLM compiles afresh")
     return Outcome("restored", f"{files} files, {size} bytes from {where}, verified", files, size)
 
 
-def _manifest(raw: bytes, key: str, device: str, limits: Limits) -> dict:
+def manifest_of(raw: bytes, key: str, device: str, limits: Limits) -> dict:
+    """A stored manifest, checked against the entry it was read from."""
     try:
         m = json.loads(raw)
     except (ValueError, RecursionError):
@@ -320,19 +329,27 @@ def _manifest(raw: bytes, key: str, device: str, limits: Limits) -> dict:
 
 
 def _extract(store: Path, where: str, dest: Path, manifest: dict, limits: Limits) -> tuple[int, int]:
-    fd = open_beneath(store, f"{where}/{STATE}")
+    with open(open_beneath(store, f"{where}/{STATE}"), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != manifest["bytes"]:
+            raise CompiledStateError(f"{STATE} holds {st.st_size} bytes, its manifest says {manifest['bytes']}")
+        return extract_verified(f, dest, manifest, limits)
+
+
+def extract_verified(f: IO[bytes], dest: Path, manifest: dict, limits: Limits) -> tuple[int, int]:
+    """The tar `f` streams (whatever store it comes from) into `dest`, only once every byte of it hashed to the
+    manifest's sha256 and every member passed the checks; (files, bytes). On any mismatch `dest` is as it was."""
     staging = dest / ".ferry-restore"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        with open(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size != manifest["bytes"]:
-                raise CompiledStateError(f"{STATE} holds {st.st_size} bytes, its manifest says {manifest['bytes']}")
-            stream = _Hashing(f, manifest["bytes"])
-            files, size = _members_out(stream, staging, limits)
-            while stream.read(1 << 20):
-                pass  # the end-of-archive padding is part of what was hashed
+        stream = _Hashing(f, manifest["bytes"])
+        files, size = _members_out(stream, staging, limits)
+        while stream.read(1 << 20):
+            pass  # the end-of-archive padding is part of what was hashed
+        if stream.read_bytes != manifest["bytes"]:
+            raise CompiledStateError(f"the state holds {stream.read_bytes} bytes, its manifest says "
+                                     f"{manifest['bytes']}")
         if "sha256:" + stream.h.hexdigest() != manifest["sha256"]:
             raise CompiledStateError(f"{STATE}'s sha256 differs from its manifest's")
         for directory, _, _ in os.walk(staging):  # parents made on the way, too (nothing here is a link)

@@ -45,7 +45,7 @@ def add_load_commands(subparsers: argparse._SubParsersAction) -> None:
                       help="threads reading file segments, over all files (default 16)")
     load.add_argument("--chunk-size", type=parse_size, default=8 << 20, metavar="SIZE",
                       help="bytes per read (default 8Mi)")
-    load.add_argument("--compiled-store", type=Path, metavar="DIR",
+    load.add_argument("--compiled-store", metavar="DIR|s3://BUCKET/PREFIX",
                       help="after the weights, restore vLLM's compiled state STORE/KEY/<device kind> (verified in "
                            "full, else nothing) into --compiled-to; its outcome joins the pod condition's message")
     load.add_argument("--compiled-key", metavar="KEY", help="with --compiled-store: this pod's configuration")
@@ -55,7 +55,7 @@ def add_load_commands(subparsers: argparse._SubParsersAction) -> None:
     load.set_defaults(run=_load, load_parser=load)
 
 
-def _compiled(args: argparse.Namespace) -> tuple[Path, str, Path] | None:
+def _compiled(args: argparse.Namespace) -> tuple[str, str, Path] | None:
     given = [args.compiled_store, args.compiled_key, args.compiled_to]
     if not any(given):
         return None

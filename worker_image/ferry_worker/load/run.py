@@ -48,7 +48,7 @@ class LoadRequest:
     copy_to: Path | None = None
     options: ReadOptions = ReadOptions()
     # (store, key, VLLM_CACHE_ROOT): vLLM's compiled state restored after the weights (compiled/state.py).
-    compiled: tuple[Path, str, Path] | None = None
+    compiled: tuple[str | Path, str, Path] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,14 @@ def load(request: LoadRequest, reporter: Reporter) -> LoadResult:
     return result
 
 
-def _restore_compiled(store: Path, key: str, dest: Path, group: Group | None = None) -> str:
+def _restore_compiled(store: str | Path, key: str, dest: Path, group: Group | None = None) -> str:
     """The compiled state's outcome, in words; never a failed load (without it vLLM compiles, as before).
     A pod of a group restores its own entry (it compiled only its own ranks)."""
-    from ..compiled.state import device_kind, entry_name, restore
+    from ..compiled.s3_store import restore_from
+    from ..compiled.state import device_kind, entry_name
 
     try:
-        outcome = restore(store, key, entry_name(device_kind(), group.index if group else None), dest)
+        outcome = restore_from(str(store), key, entry_name(device_kind(), group.index if group else None), dest)
     except Exception as e:  # noqa: BLE001 - the weights are loaded; the pod starts cold
         log.warning("compiled state not restored: %s", e)
         return f"compiled state refused: {type(e).__name__}: {e}"
