@@ -155,16 +155,21 @@ def test_a_rollout_in_place_and_the_strategy_put_back_merge_as_planned(kube, nam
     assert after.strategy == expected and after.saved_strategy is None
 
 
-def test_compiled_state_on_and_off_merges_cleanly(kube, namespace):
-    """serving.compiledState on, then off: the harvest sidecar, the cache emptyDir, the loader's and vLLM's
-    mounts of it and VLLM_CACHE_ROOT all go, and the claim is read-only again; no patch is refused."""
-    from ferry_operator.serving.compiled import HARVEST_CONTAINER
-    name = "compiled"
+def vllm_deployment(kube, namespace: str, name: str) -> None:
+    """A Deployment of no replicas running `vllm serve`-shaped args: only its template is patched."""
     kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
                 "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}}, "template": {
                     "metadata": {"labels": {"app": name}},
                     "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
                                              "args": ["--model", "m"]}]}}}})
+
+
+def test_compiled_state_on_and_off_merges_cleanly(kube, namespace):
+    """serving.compiledState on, then off: the harvest sidecar, the cache emptyDir, the loader's and vLLM's
+    mounts of it and VLLM_CACHE_ROOT all go, and the claim is read-only again; no patch is refused."""
+    from ferry_operator.serving.compiled import HARVEST_CONTAINER
+    name = "compiled"
+    vllm_deployment(kube, namespace, name)
     artifact = Artifact(uri="pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact", format="sharded_state",
                         total_bytes=1 << 20, manifest_digest=DIGEST)
 
@@ -197,11 +202,7 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
     its mount, the S3 env and TMPDIR of the harvest); every patch is accepted and leaves the template at rest."""
     from ferry_operator.serving.compiled import HARVEST_CONTAINER
     name = "compiled-moves"
-    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
-                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}}, "template": {
-                    "metadata": {"labels": {"app": name}},
-                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
-                                             "args": ["--model", "m"]}]}}}})
+    vllm_deployment(kube, namespace, name)
     claim = Artifact(uri="pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact", format="sharded_state",
                      total_bytes=1 << 20, manifest_digest=DIGEST)
     s3 = Artifact(uri="s3://ferry-artifacts/llama/ml/llama/0b7e/abc", format="runai_streamer", total_bytes=1 << 20,

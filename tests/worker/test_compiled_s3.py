@@ -162,7 +162,6 @@ def test_a_store_that_cannot_be_read_replaces_nothing(tmp_path, published, monke
     src, store, client, bucket = published
     before = keys(client, bucket)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     with pytest.raises(StoreError):
         harvest_into(src, store, KEY, DEVICE)
     monkeypatch.undo()

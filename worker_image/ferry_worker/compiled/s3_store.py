@@ -56,16 +56,9 @@ def _entry_store(store: str, key: str, entry: str) -> S3Store:
 def _read_manifest(s3: S3Store, key: str, entry: str, limits: Limits) -> dict | None:
     """The entry's manifest, checked (CompiledStateError if it is not one), None if there is none; a store
     that cannot be read raises StoreError (which is not a damaged entry: nothing is replaced for it)."""
-    try:
-        body = s3.client.get_object(Bucket=s3.location.bucket, Key=s3.location.key(MANIFEST))["Body"]
-        try:
-            raw = body.read(MAX_MANIFEST + 1)
-        finally:
-            body.close()
-    except Exception as e:
-        if is_not_found(e):
-            return None
-        raise StoreError(f"{s3.uri(MANIFEST)}: read failed: {e}") from e
+    raw = s3.read_at_most(MANIFEST, MAX_MANIFEST)
+    if raw is None:
+        return None
     if len(raw) > MAX_MANIFEST:
         raise CompiledStateError(f"{MANIFEST} is longer than {MAX_MANIFEST} bytes")
     m = manifest_of(raw, key, entry, limits)

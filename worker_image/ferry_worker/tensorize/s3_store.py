@@ -78,16 +78,24 @@ class S3Store:
         return self.location.key(name)
 
     # -- reads -------------------------------------------------------------------------------------
-    def read(self, name: str) -> bytes | None:
-        """Ferry's own records (the manifest, the pending record): refused past MAX_MANIFEST_BYTES."""
+    def read_at_most(self, name: str, limit: int) -> bytes | None:
+        """The object's first `limit` + 1 bytes (more than `limit`: the caller refuses it), None if absent."""
         try:
             body = self.client.get_object(Bucket=self.location.bucket, Key=self._key(name))["Body"]
-            data = body.read(MAX_MANIFEST_BYTES + 1)
-            body.close()
+            try:
+                return body.read(limit + 1)
+            finally:
+                body.close()
         except Exception as e:
             if is_not_found(e):
                 return None
             raise StoreError(f"{self.uri(name)}: read failed: {e}") from e
+
+    def read(self, name: str) -> bytes | None:
+        """Ferry's own records (the manifest, the pending record): refused past MAX_MANIFEST_BYTES."""
+        data = self.read_at_most(name, MAX_MANIFEST_BYTES)
+        if data is None:
+            return None
         if len(data) > MAX_MANIFEST_BYTES:
             raise StoreError(f"{self.uri(name)}: more than {MAX_MANIFEST_BYTES} bytes; {NOT_FERRYS}")
         return data
