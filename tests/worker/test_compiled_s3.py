@@ -166,3 +166,29 @@ def test_a_store_that_cannot_be_read_replaces_nothing(tmp_path, published, monke
         harvest_into(src, store, KEY, DEVICE)
     monkeypatch.undo()
     assert keys(client, bucket) == before
+
+
+def test_a_publish_sweeps_the_tars_no_manifest_names_once_they_are_old(tmp_path, published, monkeypatch):
+    """Two pods harvesting one entry at once: the loser's tar is named by no manifest. The next publish deletes
+    such tars once older than ORPHAN_AGE (a younger one may be an upload in flight); the entry's own stays."""
+    from datetime import timedelta
+
+    from ferry_worker.compiled import s3_store
+
+    src, store, client, bucket = published
+    orphan = f"{entry(bucket)}/state-00000000000000ff.tar"
+    client.put_object(Bucket=bucket, Key=orphan, Body=b"a lost race")
+    (src / "torch_compile_cache" / "f00dfeed11").mkdir()  # a stale entry: the next harvest publishes
+    (src / "torch_compile_cache" / "f00dfeed11" / "graph.py").write_text("g")
+    monkeypatch.setattr(s3_store, "ORPHAN_AGE", timedelta(hours=1))
+    assert harvest_into(src, store, KEY, DEVICE).state == "published"
+    assert orphan in keys(client, bucket)  # young: left
+    (src / "torch_compile_cache" / "f00dfeed12").mkdir()
+    (src / "torch_compile_cache" / "f00dfeed12" / "graph.py").write_text("g")
+    monkeypatch.setattr(s3_store, "ORPHAN_AGE", timedelta(seconds=-5))
+    assert harvest_into(src, store, KEY, DEVICE).state == "published"
+    tars = [k for k in keys(client, bucket) if k.endswith(".tar")]
+    assert orphan not in tars and len(tars) == 1
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert restore_from(store, KEY, DEVICE, dest).state == "restored"
