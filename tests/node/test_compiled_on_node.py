@@ -220,6 +220,9 @@ def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it_and_deleted_with
     warm = restart(node, name)
     assert logs(node, warm, "vllm").strip() == f"WARM compiled-by-{first['metadata']['name']}"
     assert "compiled state restored" in loader_message(warm)
+    # The warm pod's harvest finds the entry (published once). Waited for before the deletion: a serving pod
+    # that outlives its ModelWeights and harvests after it would keep its state once more (docs/security.md).
+    assert "compiled state present" in harvested(node, warm)
 
     node.kubectl("delete", "modelweights", name, "-n", NAMESPACE, "--wait=false")
     wait_for(lambda: not stored(), "the compiled prefix emptied by the deletion", 180)
