@@ -29,8 +29,12 @@ and prints one line `RESULT {json}` per run with:
 """
 import json
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/
+from vllm_engine_exit import shutdown  # noqa: E402
 
 RESULT_PREFIX = "RESULT "
 
@@ -134,7 +138,8 @@ def run(spec: dict) -> dict:
     try:
         return _use(llm, spec)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
+
 
 
 def _use(llm, spec: dict) -> dict:

@@ -22,8 +22,12 @@ Nothing else of the load path is changed. Both models are taken before
 """
 import json
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/
+from vllm_engine_exit import shutdown  # noqa: E402
 
 RESULT_PREFIX = "RESULT "
 torch.cpu._init_amx()  # see tests/worker/shard/vllm_generate.py: bf16 kernels need AMX state
@@ -94,7 +98,8 @@ def run(spec: dict) -> list:
     try:
         return llm.collective_rpc(_loaded, args=(spec["checks"],))
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
+
 
 
 def main() -> None:
