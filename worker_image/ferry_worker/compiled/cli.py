@@ -76,9 +76,9 @@ def _checked_url(url: str, grouped: bool) -> str:
 
 
 def _on_sigterm(once: bool):
-    """The pod is ending: a sidecar goes at once (0). A warm-up Job's harvest ends as the kubelet's SIGKILL
-    would have (143): a drained or preempted pod fails, so the Job's DisruptionTarget rule applies, and an
-    interrupted warm-up never counts as Complete."""
+    """The pod is ending: a sidecar goes at once (0). A warm-up Job's harvest fails (143), as it did when the
+    kubelet's SIGKILL (137) ended it: a drained or preempted pod fails, so the Job's DisruptionTarget rule
+    applies, and an interrupted warm-up never counts as Complete."""
     def handler(signum: int, frame: object) -> None:
         sys.exit(128 + signal.SIGTERM if once else 0)
     return handler
