@@ -204,8 +204,7 @@ def _store_volume(compiled: Compiled, pod: dict[str, Any], weights_volume: str) 
 
 def was_s3_store(have: dict[str, Any] | None) -> bool:
     """Whether the template's harvest (as read: its args) keeps the state in S3."""
-    args = list((have or {}).get("args") or [])
-    return any(a == "--store" and i + 1 < len(args) and args[i + 1].startswith("s3://") for i, a in enumerate(args))
+    return _flag(list((have or {}).get("args") or []), "--store").startswith("s3://")
 
 
 def wire(compiled: Compiled, pod: dict[str, Any], c: dict[str, Any], init: dict[str, Any] | None,
@@ -285,7 +284,12 @@ def pod_outcome(message: str) -> tuple[str, str] | None:
 
 def compiled_key(loader_args: list[str]) -> str:
     """The --compiled-key a wired template's loader carries ("" if none)."""
-    for i, word in enumerate(loader_args[:-1]):
-        if word == "--compiled-key":
-            return loader_args[i + 1]
+    return _flag(loader_args, "--compiled-key")
+
+
+def _flag(args: list[str], flag: str) -> str:
+    """The value after `flag` in args Ferry wrote ("" if it is not there)."""
+    for i, word in enumerate(args[:-1]):
+        if word == flag:
+            return args[i + 1]
     return ""

@@ -19,7 +19,6 @@ GROUP_INDEX_ENV = "FERRY_GROUP_INDEX"
 GROUP_ANNOTATION = "ferry.dev/group-size"
 
 
-
 @dataclass(frozen=True)
 class Group:
     """A template whose pods form serving groups of `size`. `index_label`: the pod label holding a pod's

@@ -29,7 +29,7 @@ from ..tensorize.location import S3Location, parse_location
 from ..tensorize.s3_client import S3Options, is_not_found
 from ..tensorize.s3_store import S3Store
 from .state import (FORMAT, MANIFEST, MAX_MANIFEST, CompiledStateError, Limits, Outcome, checked_name,
-                    extract_verified, harvest, held_keys, manifest_of, restore, vllm_keys, write_tar)
+                    extract_verified, harvest, lacking, manifest_of, restore, vllm_keys, write_tar)
 
 log = logging.getLogger("ferry")
 
@@ -79,8 +79,7 @@ def _problem(s3: S3Store, m: dict, keys: list[str]) -> str:
         return str(e)
     if head != (m["bytes"], m["etag"]):
         return f"{m['state']} is not the object its manifest recorded"
-    missing = sorted(set(keys) - held_keys(m))
-    return f"lacked vLLM's cache key(s) {', '.join(missing)[:200]}" if missing else ""
+    return lacking(m, keys)
 
 
 def harvest_s3(cache_root: Path, store: str, key: str, entry: str, limits: Limits = Limits()) -> Outcome:

@@ -171,14 +171,19 @@ def _stale(store: Path, key: str, device: str, keys: list[str]) -> str:
         m = json.loads(read_beneath(store, f"{key}/{device}/{MANIFEST}", MAX_MANIFEST) or b"{}")
     except (ValueError, RecursionError, UnsafePathError, OSError) as e:
         return str(e)
-    missing = sorted(set(keys) - held_keys(m))
-    return f"lacked vLLM's cache key(s) {', '.join(missing)[:200]}" if missing else ""
+    return lacking(m, keys)
 
 
 def held_keys(manifest: object) -> set[str]:
     """The vLLM cache keys a stored manifest says its entry holds (untrusted: anything but strings is none)."""
     held = manifest.get("vllmKeys") if isinstance(manifest, dict) else None
     return {k for k in held if isinstance(k, str)} if isinstance(held, list) else set()
+
+
+def lacking(manifest: object, keys: list[str]) -> str:
+    """Why an intact entry is stale ("" if it is not): vLLM compiled under cache keys its manifest lacks."""
+    missing = sorted(set(keys) - held_keys(manifest))
+    return f"lacked vLLM's cache key(s) {', '.join(missing)[:200]}" if missing else ""
 
 
 def _raise(error: OSError) -> None:
