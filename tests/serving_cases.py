@@ -69,14 +69,27 @@ def apply(current: WorkloadFacts, patch: dict[str, Any] | None) -> WorkloadFacts
             annotations.pop(key, None)
         else:
             annotations[key] = value
-    containers, commands = dict(current.containers), dict(current.commands)
+    containers, commands, envs = dict(current.containers), dict(current.commands), dict(current.envs)
     for c in template["spec"]["containers"]:
         if "args" in c:
             containers[c["name"]] = list(c["args"])
         if "command" in c:
             commands[c["name"]] = list(c["command"])
+        if "env" in c:
+            envs[c["name"]] = merged_env(envs.get(c["name"], []), c["env"])
     return replace(current, containers=containers, commands=commands, template_annotations=annotations,
-                   weights_volume=merged_weights_volume(current, template["spec"]))
+                   envs=envs, weights_volume=merged_weights_volume(current, template["spec"]))
+
+
+def merged_env(have: list[dict[str, Any]], patch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """env after a strategic merge: entries merge by name, `$patch: delete` removes one."""
+    by_name = {e["name"]: e for e in have}
+    for e in patch:
+        if e.get("$patch") == "delete":
+            by_name.pop(e["name"], None)
+        else:
+            by_name[e["name"]] = e
+    return list(by_name.values())
 
 
 def merged_weights_volume(current: WorkloadFacts, pod_patch: dict[str, Any]) -> str:

@@ -277,6 +277,27 @@ def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it():
     assert template_patch(s3_spec(), "llama", S3_ARTIFACT, "vllm", wired_s3, LOADER) is None
 
 
+def test_a_changed_s3_secret_reaches_every_container_that_reads_the_store():
+    """storage.s3.credentialsSecretRef is not in the key (the same bytes), but the vLLM container, the
+    loader and the harvest read S3 with it: the template is rewired, each of the three gets the new name."""
+    patch = template_patch(s3_spec(), "llama", S3_ARTIFACT, "vllm", deployment(), LOADER)
+    vllm_env = next(c for c in pod_spec(patch)["containers"] if c["name"] == "vllm")["env"]
+    current = replace(wired(patch, deployment()), envs={"vllm": vllm_env}, weights_volume="")
+    moved = parse(with_("storage.s3.credentialsSecretRef", {"name": "s3-creds-2"}, with_(
+        "serving.compiledState", {"mode": "AfterFirstReady"},
+        manifest(format={"type": "runai_streamer"}, storage=S3_STORAGE)))).spec
+    again = template_patch(moved, "llama", S3_ARTIFACT, "vllm", current, LOADER)
+    assert again is not None
+    pod = pod_spec(again)
+    loader, harvest = pod["initContainers"]
+    for container in (pod["containers"][0], loader, harvest):
+        secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        assert secrets == {"s3-creds-2"}, container["name"]
+    assert loader["args"] == pod_spec(patch)["initContainers"][0]["args"]  # the same key: only the env moved
+    rewired = replace(current, envs={"vllm": pod["containers"][0]["env"]})
+    assert template_patch(moved, "llama", S3_ARTIFACT, "vllm", rewired, LOADER) is None
+
+
 def test_an_s3_artifact_gets_no_compiled_state_where_no_pod_may_reach_the_store():
     cached = plan_compiled(s3_spec(nodeCache={"enabled": True}), S3_ARTIFACT, "i", [], True, 8000)
     assert not cached.on and "node cache" in cached.reason and "S3 credentials" in cached.reason

@@ -199,7 +199,8 @@ def test_compiled_state_on_and_off_merges_cleanly(kube, namespace):
 def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, namespace):
     """The store follows the artifact: S3 beside one Ferry published there, the claim beside one on a claim.
     Each move deletes what the other store's wiring added (the store volume and mounts; the scratch volume,
-    its mount, the S3 env and TMPDIR of the harvest); every patch is accepted and leaves the template at rest."""
+    its mount, the S3 env and TMPDIR of the harvest); every patch is accepted and leaves the template at rest.
+    A moved credentialsSecretRef rewires the three containers that read S3."""
     from ferry_operator.serving.compiled import HARVEST_CONTAINER
     name = "compiled-moves"
     vllm_deployment(kube, namespace, name)
@@ -209,9 +210,9 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
                   manifest_digest="sha256:" + "4" * 64)
     loader = LoaderSettings(image="ferry.local/f:1")
 
-    def wire(where: str, mode: str = "AfterFirstReady") -> dict:
+    def wire(where: str, mode: str = "AfterFirstReady", secret: str = "s3-creds") -> dict:
         current = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
-        base = RUNAI_S3 if where == "s3" else None
+        base = with_("storage.s3.credentialsSecretRef", {"name": secret}, RUNAI_S3) if where == "s3" else None
         s = parse(with_("serving.compiledState", {"mode": mode}, base)).spec
         artifact = s3 if where == "s3" else claim
         patch = template_patch(s, "llama", artifact, "vllm", current, loader)
@@ -239,6 +240,11 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
             assert mounts == {"/ferry/compiled", "/ferry/compiled-store"} and not env, env
         loader_mounts = {m["mountPath"] for m in pod["initContainers"][0]["volumeMounts"]}
         assert ("/ferry/compiled-store" in loader_mounts) is (where == "claim"), loader_mounts
+    # A moved credentialsSecretRef (not in the key) reaches the vLLM container, the loader and the harvest.
+    pod = wire("s3", secret="s3-creds-2")
+    for c in (pod["containers"][0], pod["initContainers"][0], harvest(pod)):
+        refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        assert refs == {"s3-creds-2"}, (c["name"], refs)
     off = wire("s3", "Off")
     assert [c["name"] for c in off["initContainers"]] == ["ferry-load"]
     assert not [v for v in off["volumes"] if v["name"].startswith("ferry-compiled")], off["volumes"]

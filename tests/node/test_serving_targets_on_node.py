@@ -3,8 +3,9 @@
 worker, from the templates the chart's operator wired for a PP 2 artifact, and each pod's loader verifies
 only its own pipeline stage; the same for a StatefulSet of two replicas forming one group.
 
-The LWS runs with serving.compiledState on: each pod of the group keeps and restores its own entry (the
-stand-in "compiles" into its cache root: COLD, or WARM with what it found).
+Both run with serving.compiledState on: each pod of a group keeps and restores its own entry (the
+stand-in "compiles" into its cache root: COLD, or WARM with what it found). Shared: the session's node,
+chart operator, S3 server and tiny checkpoint (fixtures); each test makes its own workload and object.
 
 The serving process is the busybox stand-in (node_support.STANDIN: it prints the argv it got, after the
 kubelet expanded $(FERRY_GROUP_INDEX) and $(LWS_LEADER_ADDRESS), and answers /health); what vLLM makes
@@ -97,18 +98,19 @@ def compile_line(kube, pod: dict) -> str:
     return next(w for w in vllm_log(kube, pod).splitlines() if w.split(" ")[0] in ("COLD", "WARM"))
 
 
-def harvests_published(kube, name: str) -> dict[int, dict] | None:
-    """The group's pods once each one's harvest kept its state (the worker's waits for the leader)."""
-    pods = group_pods(kube, name)
+def harvests_published(kube, name: str, pods_of=None) -> dict[int, dict] | None:
+    """The group's pods once each one's harvest kept its state (the worker's waits for the leader).
+    `pods_of`: index -> pod of the group (an LWS's group 0 by default)."""
+    pods = (pods_of or group_pods)(kube, name)
     logs = {i: kube.kubectl("logs", p["metadata"]["name"], "-n", NAMESPACE, "-c", "ferry-compiled-harvest",
                             check=False).stdout for i, p in pods.items()}
     return pods if len(pods) == 2 and all("compiled state published" in log for log in logs.values()) else None
 
 
-def describe_group(kube, name: str) -> str:
+def describe_group(kube, name: str, pods_of=None) -> str:
     """What a failed wait prints: the group's pods (phase, conditions, container states) and the status."""
     lines = []
-    for i, p in sorted(group_pods(kube, name).items()):
+    for i, p in sorted((pods_of or group_pods)(kube, name).items()):
         states = {c["name"]: list(c.get("state", {}))[:1] + [c.get("restartCount", 0)]
                   for c in p["status"].get("initContainerStatuses", []) + p["status"].get("containerStatuses", [])}
         conditions = {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
@@ -240,18 +242,22 @@ def test_a_statefulset_group_loads_one_pipeline_stage_per_ordinal(node, chart_op
                          "selector": {"matchLabels": {"app": name}}, "template": standin_template(node, name)}})
     mw = modelweights(name, f"s3://{name}/tiny-llama", {"type": "sharded_state", "pipelineParallelSize": 2,
                                                          "vllmVersion": "0.32"}, secret=f"{name}-s3")
-    mw["spec"]["serving"] = {"targets": [{"kind": "StatefulSet", "name": name, "container": "vllm", "groupSize": 2}]}
+    mw["spec"]["serving"] = {"targets": [{"kind": "StatefulSet", "name": name, "container": "vllm", "groupSize": 2}],
+                             "compiledState": {"mode": "AfterFirstReady"}}
     node.apply(mw)
     status = wait_ready(node, NAMESPACE, name, timeout=420)
     loaded = condition(status, "WeightsLoaded")
     assert loaded["status"] == "True" and loaded["message"].startswith("2/2 pods loaded, 1/1 groups"), loaded
 
-    def started():
-        pods = {int(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"]): p
-                for p in node.get_json("pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]
+    def ordinals(kube, app):
+        return {int(p["metadata"]["labels"]["apps.kubernetes.io/pod-index"]): p
+                for p in kube.get_json("pods", "-n", NAMESPACE, "-l", f"app={app}")["items"]
                 if not p["metadata"].get("deletionTimestamp")}
+
+    def started(uids=frozenset()):
+        pods = ordinals(node, name)
         return pods if len(pods) == 2 and all(serving_started(p) and gate(p).get("status") == "True"
-                                              for p in pods.values()) else None
+                                              and p["metadata"]["uid"] not in uids for p in pods.values()) else None
     pods = wait_for(started, f"both pods of {name} loaded and serving", 180)
     for ordinal, pod in pods.items():
         result = loader_result(pod)
@@ -259,3 +265,20 @@ def test_a_statefulset_group_loads_one_pipeline_stage_per_ordinal(node, chart_op
         log = node.kubectl("logs", pod["metadata"]["name"], "-n", NAMESPACE, "-c", "vllm").stdout
         line = next(w for w in log.splitlines() if w.startswith("vllm "))
         assert f"--nnodes 2 --node-rank {ordinal} --master-addr {name}-0.{name}" in line, line
+
+    # Compiled state on: each ordinal "compiled" its own ranks, and each harvest keeps its own entry (pod 1's
+    # waits for pod 0's /health at the --master-addr name). Both pods deleted: the StatefulSet makes them
+    # anew, and each restores its own ordinal's entry, not the other's.
+    assert [compile_line(node, pods[i]) for i in (0, 1)] == ["COLD", "COLD"]
+    try:
+        published = wait_for(lambda: harvests_published(node, name, ordinals), "both harvests to publish", 120)
+    except AssertionError:
+        print(describe_group(node, name, ordinals))
+        raise
+    node.kubectl("delete", "pod", *(p["metadata"]["name"] for p in published.values()), "-n", NAMESPACE,
+                 "--wait=false")
+    pods = wait_for(lambda: started(frozenset(p["metadata"]["uid"] for p in published.values())),
+                    f"both pods of {name} made anew, loaded and serving", 180)
+    for i, pod in pods.items():
+        assert compile_line(node, pod) == f"WARM compiled-by-{name}-{i}", i
+        assert "compiled state restored" in gate(pod)["message"], gate(pod)

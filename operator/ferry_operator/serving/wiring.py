@@ -355,6 +355,14 @@ def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, An
             init["volumeMounts"].append(unmount)
 
 
+def env_current(have: list[dict[str, Any]], want: list[dict[str, Any]]) -> bool:
+    """Whether the serving container (as read) has each env entry Ferry gives it (`want`: the S3 store's
+    endpoint, region and credentials by named key). The loader's and the harvest's entries are the same
+    list, so the serving container's stand for them; a user's own entries are never compared."""
+    by_name = {e.get("name"): e for e in have if isinstance(e, dict)}
+    return all(by_name.get(e["name"]) == e for e in want)
+
+
 def template_patch(
     spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: WorkloadFacts,
     loader: LoaderSettings | None = None, group: Group | None = None,
@@ -421,6 +429,8 @@ def template_patch(
                       and probe_current) if init else (have is None and GATE not in current.readiness_gates)
     loader_current = loader_current and harvest_current(compiled, current.init_containers.get(HARVEST_CONTAINER),
                                                          init["image"] if init else "")
+    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too.
+    loader_current = loader_current and env_current(current.envs.get(name, []), env)
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = (not current.weights_volume if mounted is None
                       else (current.weights_volume == "csi") == ("csi" in mounted[0]))
