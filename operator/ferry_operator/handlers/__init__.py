@@ -6,6 +6,12 @@ status it computed. It runs when the object appears, whenever a watch event
 of what it depends on wakes it (wakeups.py), and otherwise only as often as
 the planner asks: every RECONCILE_INTERVAL while work is in progress, every
 RESYNC_INTERVAL (a safety net) once Ready or stalled.
+
+This module holds the operator's settings and clients, the reconcile loop and
+the delete handler; `indexes` the kopf indexes (what a reconcile reads, fed by
+watches), `watches` the watch events that wake a reconciler, `status` the
+status patch and the Events and metrics of a pass. Importing this package
+registers them all.
 """
 from __future__ import annotations
 
@@ -29,30 +35,30 @@ from typing import Any, Protocol
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import metrics
-from .serving import workload_api
-from .admission_policies import PolicyGuard, policy_names
-from .api.types import (GROUP, MAX_WORKLOADS, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus,
-                        ServingTarget, WorkloadKind, target_key)
-from .api.validation import InvalidSpec, parse
-from .events import NORMAL, WARNING, Event, transitions
-from .executors.cache_fill import FILL_STEP
-from .executors.diagnosis import FORBIDDEN, forbidden
-from .executors.warm_up import WARM_UP_STEP
-from .node_cache import FillNode, RemoveFill
-from .placement import NodeFacts, node_facts, selected
-from .planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
+from .. import metrics
+from ..serving import workload_api
+from ..admission_policies import PolicyGuard, policy_names
+from ..api.types import (GROUP, MAX_WORKLOADS, PLURAL, VERSION, Artifact, ModelWeights, ModelWeightsStatus,
+                        ServingTarget, WorkloadKind)
+from ..api.validation import InvalidSpec, parse
+from ..events import NORMAL, transitions
+from ..executors.diagnosis import FORBIDDEN, forbidden
+from ..node_cache import FillNode, RemoveFill
+from ..placement import NodeFacts, selected
+from ..planner import (ArtifactFacts, Observed, PatchWorkload, RemoveArtifact, RetryPolicy, RetryStep, StartStep,
                       RemoveWarmUp, StepPhase, StepState, WarmUp, blocked, plan, recorded_artifact)
-from .serving.wiring import (CACHE_AGENT_LABEL, CACHE_LABEL_PREFIX, OWNER_ANNOTATION, WorkloadFacts,
-                             cache_evicted_label, cache_label, deployment_facts)
-from .serving.loader import REPORTER_CLUSTER_ROLE, LoaderSettings
-from .serving.compiled import pod_outcome
-from .serving.rollout import put_back
-from .steps import Step, UnsupportedSpec, prepare_steps
-from .ownership import Wirer, owner_of
-from .wakeups import Wakeups, sleep
-from .serving.weights_loaded import PodFacts, pod_facts
-from .serving.workloads import APIS, leaderworkerset_facts, statefulset_facts
+from ..serving.wiring import OWNER_ANNOTATION, WorkloadFacts, cache_evicted_label, cache_label
+from ..serving.loader import REPORTER_CLUSTER_ROLE, LoaderSettings
+from ..serving.compiled import pod_outcome
+from ..serving.rollout import put_back
+from ..steps import Step, UnsupportedSpec, prepare_steps
+from ..ownership import Wirer, owner_of
+from ..wakeups import sleep
+from ..serving.weights_loaded import PodFacts
+# Importing the submodules registers their kopf indexes and watch handlers.
+from .indexes import WORKLOAD_INDEXES, IndexView, _cache_node_labels, _node_snapshot, _wired_keys
+from .status import _format, _newer, _parse_status, _report, _status_patch
+from .watches import REQUESTED_AT, WAKEUPS, _inputs
 
 # While a step runs or a rollout is under way: a poll behind the watch events
 # (a local worker that outlived a restarted operator sends none).
@@ -65,10 +71,8 @@ ERROR_BACKOFF_MAX_S = 60.0
 WAKE_COALESCE_S = float(os.environ.get("FERRY_WAKE_COALESCE_S", "0.5"))
 RETRIES = RetryPolicy(limit=int(os.environ.get("FERRY_RETRY_LIMIT", "3")),
                       base_s=float(os.environ.get("FERRY_RETRY_BACKOFF_S", "30")))
-REQUESTED_AT = "ferry.dev/requested-at"
 # Superseded artifacts deletionPolicy Retain keeps (the newest ones); older ones are removed.
 KEEP_PREVIOUS = int(os.environ.get("FERRY_RETAIN_PREVIOUS_ARTIFACTS", "1"))
-LWS = APIS[WorkloadKind.LEADER_WORKER_SET.value]
 # The chart sets it with nodeCache.enabled: the cluster runs Ferry's node agent. Without it, no fill Job.
 NODE_AGENT = os.environ.get("FERRY_NODE_CACHE", "").lower() == "true"
 # The node labels a prewarm may select by (the chart's nodeCache.prewarmNodeLabels); unset or empty: any.
@@ -76,9 +80,6 @@ PREWARM_LABELS = tuple(k.strip() for k in os.environ.get("FERRY_PREWARM_NODE_LAB
 # A prewarm holding the rollout is watched through its fill Jobs' and nodes' events: the poll behind them
 # backs off, RECONCILE_INTERVAL doubling up to this.
 PREWARM_BACKOFF_MAX_S = float(os.environ.get("FERRY_PREWARM_BACKOFF_MAX_S", "30"))
-# The kopf index that holds each workload kind's facts (the handlers below).
-WORKLOAD_INDEXES = {WorkloadKind.DEPLOYMENT.value: "deployments", WorkloadKind.STATEFUL_SET.value: "statefulsets",
-                    WorkloadKind.LEADER_WORKER_SET.value: "leaderworkersets"}
 log = logging.getLogger("ferry_operator")
 
 
@@ -107,8 +108,8 @@ class Executor(Protocol):
 def make_executor() -> Executor:
     kind = os.environ.get("FERRY_EXECUTOR", "local")
     if kind == "kubernetes":
-        from .executors.jobs import WorkerSettings, parse_deadline
-        from .executors.kubernetes import KubernetesExecutor
+        from ..executors.jobs import WorkerSettings, parse_deadline
+        from ..executors.kubernetes import KubernetesExecutor
 
         return KubernetesExecutor(WorkerSettings(
             image=os.environ["FERRY_WORKER_IMAGE"],
@@ -126,7 +127,7 @@ def make_executor() -> Executor:
             allow_instance_credentials=os.environ.get("FERRY_WORKER_ALLOW_INSTANCE_CREDENTIALS", "").lower() == "true",
         ))
     if kind == "local":
-        from .executors.local import LocalExecutor
+        from ..executors.local import LocalExecutor
 
         return LocalExecutor(
             root=Path(os.environ.get("FERRY_LOCAL_ROOT", ".ferry/artifacts")).resolve(),
@@ -140,7 +141,6 @@ APPS: Any = None  # kubernetes.client.AppsV1Api
 RBAC: Any = None  # kubernetes.client.RbacAuthorizationV1Api
 CUSTOM: Any = None  # kubernetes.client.CustomObjectsApi
 POLICIES: PolicyGuard | None = None  # Ferry's admission policies, enforced (checked before acting)
-WAKEUPS = Wakeups()
 # Reconciles are sync (the API client, forks): they run here, not on the event loop.
 POOL: ThreadPoolExecutor | None = None
 WRITERS: ThreadPoolExecutor | None = None  # status writes
@@ -184,143 +184,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     WRITERS = ThreadPoolExecutor(threads, thread_name_prefix="status")
 
 
-@kopf.index("apps", "v1", "deployments")
-async def deployments(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], WorkloadFacts]:
-    """Deployments in the watched namespaces, fed by a watch: reading one costs
-    the API server nothing, so an idle Ready ModelWeights costs it nothing."""
-    return {(namespace, name): deployment_facts(body)}
-
-
-@kopf.index("apps", "v1", "statefulsets")
-async def statefulsets(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], WorkloadFacts]:
-    """StatefulSets in the watched namespaces, filed by ServingTarget.key."""
-    return {(namespace, target_key(WorkloadKind.STATEFUL_SET.value, name)): statefulset_facts(body)}
-
-
-@kopf.index(LWS.group, LWS.version, LWS.plural)
-async def leaderworkersets(namespace: str, name: str, body: kopf.Body,
-                           **_: Any) -> dict[tuple[str, str], WorkloadFacts]:
-    """LeaderWorkerSets (kubernetes-sigs/lws; watched once its CRD exists), filed by ServingTarget.key."""
-    return {(namespace, target_key(WorkloadKind.LEADER_WORKER_SET.value, name)): leaderworkerset_facts(body)}
-
-
-def _wired_keys(spec: Any) -> list[str]:
-    """The ServingTarget.key of every workload a ModelWeights' spec lists (from the raw body)."""
-    serving = (spec or {}).get("serving") or {}
-    keys = [d["name"] for d in serving.get("deployments") or [] if d.get("name")]
-    return keys + [target_key(t.get("kind") or WorkloadKind.DEPLOYMENT.value, t["name"])
-                   for t in serving.get("targets") or [] if t.get("name")]
-
-
-@kopf.index(GROUP, VERSION, PLURAL)
-async def wirings(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[tuple[str, str], Wirer]:
-    """Which ModelWeights list which workloads: who owns one that several name.
-    One being deleted lists none: it lets go at once, not when its finalizer is gone."""
-    if meta.get("deletionTimestamp"):
-        return {}
-    return {(namespace, key): Wirer(meta.get("creationTimestamp") or "", name) for key in _wired_keys(spec)}
-
-
-@kopf.index("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
-async def serving_pods(namespace: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], PodFacts]:
-    """Serving pods of wired Deployments (their template carries the owner
-    annotation), by ModelWeights: what their loaders reported."""
-    facts = pod_facts(body)
-    return {(namespace, facts.owner): facts}
-
-
-@kopf.index("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT})
-async def prepare_jobs(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """Ferry's Jobs (prepare steps, cleanup), fed by a watch."""
-    return {(namespace, name): dict(body)}
-
-
-@kopf.index("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT, "ferry.dev/step": "cache-fill"})
-async def fill_jobs(namespace: str, labels: Any, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """The node cache's fill Jobs, by ModelWeights."""
-    return {(namespace, labels["ferry.dev/modelweights"]): dict(body)}
-
-
-@kopf.index("batch", "v1", "jobs",
-            labels={"ferry.dev/modelweights": kopf.PRESENT, "ferry.dev/step": "compiled-warm-up"})
-async def warm_up_jobs(namespace: str, labels: Any, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """serving.compiledState BeforeRollout's warm-up Jobs, by ModelWeights."""
-    return {(namespace, labels["ferry.dev/modelweights"]): dict(body)}
-
-
-@kopf.index("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
-async def prepare_pods(namespace: str, body: kopf.Body, labels: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    """The pods of Ferry's Jobs, by Job: their phases and termination messages."""
-    return {(namespace, labels["job-name"]): dict(body)}
-
-
-@kopf.index("", "v1", "nodes", labels={CACHE_AGENT_LABEL: kopf.PRESENT})
-async def cache_nodes(name: str, labels: Any, **_: Any) -> dict[str, dict[str, str]]:
-    """The nodes whose node cache agent keeps their cache labels, with those labels: which hold which
-    artifact (status.cache), and why one left."""
-    return {name: _cache_labels(labels)}
-
-
-@kopf.index("", "v1", "nodes")
-async def all_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeFacts]:
-    """Every Node's name, labels and taints, from the watch of nodes: which nodes a prewarm selects and
-    which a wired pod may use (placement.py), with no LIST per reconcile."""
-    return {name: node_facts(body)}
-
-
-def _node_snapshot(index: Any, body: Mapping[str, Any]) -> dict[str, NodeFacts]:
-    """name -> NodeFacts from the all_nodes index, for an object with serving.nodeCache on (on the event
-    loop, which updates the index: the reconcile thread gets a snapshot)."""
-    cache = ((body.get("spec") or {}).get("serving") or {}).get("nodeCache") or {}
-    if index is None or not cache.get("enabled"):
-        return {}
-    return {name: facts for name, store in index.items() for facts in store}
-
-
-# Wake-ups: the watch events of what a ModelWeights depends on. On the event
-# loop (async), cheap, and never an API call.
-_node_labels_seen: dict[str, dict[str, str]] = {}  # node -> its cache labels at the last event (on the loop)
-
-
-@kopf.on.event("", "v1", "nodes", labels={CACHE_AGENT_LABEL: kopf.PRESENT})
-async def cache_node_changed(name: str, labels: Any, type: str | None, **_: Any) -> None:
-    now = {} if type == "DELETED" else _cache_labels(labels)
-    before = _node_labels_seen.pop(name, {})
-    if now:
-        _node_labels_seen[name] = now
-    WAKEUPS.wake_label_readers({k for k in before.keys() | now.keys() if before.get(k) != now.get(k)})
-
-
-def _cache_node_labels(index: Any) -> dict[str, dict[str, str]]:
-    """node -> its cache labels, from the cache_nodes index (on the event loop, which updates it)."""
-    return {node: dict(labels) for node, store in (index or {}).items() for labels in store}
-
-
-def _cache_labels(labels: Any) -> dict[str, str]:
-    return {k: v for k, v in (labels or {}).items() if k.startswith(CACHE_LABEL_PREFIX)}
-
-
-@kopf.on.event(GROUP, VERSION, PLURAL)
-async def modelweights_changed(body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
-    if WAKEUPS.inputs_changed((namespace, name), _inputs(body)):  # not its own status write
-        WAKEUPS.wake((namespace, name))
-
-
-@kopf.on.event("batch", "v1", "jobs", labels={"ferry.dev/modelweights": kopf.PRESENT})
-async def prepare_job_changed(namespace: str, labels: Any, **_: Any) -> None:
-    WAKEUPS.wake((namespace, labels["ferry.dev/modelweights"]))
-
-
-@kopf.on.event("", "v1", "pods", labels={"ferry.dev/modelweights": kopf.PRESENT, "job-name": kopf.PRESENT})
-async def prepare_pod_changed(namespace: str, labels: Any, **_: Any) -> None:
-    WAKEUPS.wake((namespace, labels["ferry.dev/modelweights"]))
-
-
-@kopf.on.event("", "v1", "pods", annotations={OWNER_ANNOTATION: kopf.PRESENT})
-async def serving_pod_changed(namespace: str, annotations: Any, **_: Any) -> None:
-    WAKEUPS.wake((namespace, annotations[OWNER_ANNOTATION]))
-
-
 @kopf.on.event("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies")
 @kopf.on.event("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings")
 async def admission_policy_changed(**_: Any) -> None:
@@ -328,82 +191,10 @@ async def admission_policy_changed(**_: Any) -> None:
         POLICIES.invalidate()  # the next action checks them again
 
 
-@kopf.on.event("apps", "v1", "deployments")
-async def deployment_changed(namespace: str, name: str, **_: Any) -> None:
-    WAKEUPS.wake_wirers((namespace, name))
-
-
-@kopf.on.event("apps", "v1", "statefulsets")
-async def statefulset_changed(namespace: str, name: str, **_: Any) -> None:
-    WAKEUPS.wake_wirers((namespace, target_key(WorkloadKind.STATEFUL_SET.value, name)))
-
-
-@kopf.on.event(LWS.group, LWS.version, LWS.plural)
-async def leaderworkerset_changed(namespace: str, name: str, **_: Any) -> None:
-    WAKEUPS.wake_wirers((namespace, target_key(WorkloadKind.LEADER_WORKER_SET.value, name)))
-
-
-class IndexView:
-    """The kubernetes executor's view of Jobs and pods, from the indexes above."""
-
-    def __init__(self, job_index: Any, pod_index: Any, fill_index: Any = None, warm_up_index: Any = None) -> None:
-        self._jobs, self._pods = job_index, pod_index
-        self._by_step = {FILL_STEP: fill_index, WARM_UP_STEP: warm_up_index}
-
-    def job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        found = list(self._jobs.get((namespace, name), []))
-        return found[-1] if found else None
-
-    def pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
-        return list(self._pods.get((namespace, job_name), []))
-
-    def step_jobs(self, namespace: str, mw_name: str, step: str) -> list[dict[str, Any]]:
-        """One ModelWeights' Jobs of one kind (their ferry.dev/step label), from that kind's index."""
-        index = self._by_step.get(step)
-        return list(index.get((namespace, mw_name), [])) if index is not None else []
-
-
-def _status_patch(before: dict[str, Any], after: ModelWeightsStatus) -> dict[str, Any]:
-    """The status fields the operator owns, as a merge patch; empty if nothing changed."""
-    new = after.model_dump(by_alias=True, mode="json", exclude_none=True)
-    patch: dict[str, Any] = {}
-    for key in ("observedGeneration", "phase", "conditions", "progress", "artifact", "previousArtifacts", "retry",
-                "lastHandledRequestedAt", "loaded", "cache", "compiledState"):
-        if key in new and new[key] != before.get(key):
-            old = before.get(key)
-            # A merge patch merges maps: a field the operator no longer sets (e.g. forged `experts`) is nulled.
-            gone = {k: None for k in old if k not in new[key]} if isinstance(old, dict) and isinstance(new[key], dict) else {}
-            patch[key] = {**gone, **new[key]} if gone else new[key]
-    for key in ("progress", "retry", "loaded", "cache", "compiledState"):  # cleared: null removes it (merge patch)
-        if key in before and key not in new:
-            patch[key] = None
-    return patch
-
-
 @dataclass
 class Reconciled:
     delay: float  # seconds until the next reconcile, unless woken earlier
     status_patch: dict[str, Any]  # what to write to the status subresource (empty: nothing changed)
-
-
-def _inputs(body: Any) -> tuple[Any, ...]:
-    """What of the ModelWeights itself the planner acts on; a change to
-    anything else (the status it or a worker wrote) needs no reconcile."""
-    meta = body.get("metadata") or {}
-    return meta.get("generation"), (meta.get("annotations") or {}).get(REQUESTED_AT), meta.get("deletionTimestamp")
-
-
-def _newer(live: dict[str, Any], patched: dict[str, Any] | None) -> dict[str, Any]:
-    """The fresher of the watched body and the one the last status patch
-    returned: the watch may not have delivered the operator's own write yet,
-    and planning from the older status could act twice."""
-    if patched is None:
-        return live
-    try:
-        newer = int(patched["metadata"]["resourceVersion"]) > int(live["metadata"]["resourceVersion"])
-    except (KeyError, TypeError, ValueError):
-        return live
-    return patched if newer else live
 
 
 # No kopf retries and no kopf-kept state: the loop below owns the schedule,
@@ -543,30 +334,6 @@ def _reconcile_and_report(body: dict[str, Any], namespace: str, name: str, uid: 
     return result, _status_patch(raw_status, status), delay
 
 
-def _report(body: dict[str, Any], uid: str, mw: ModelWeights | None, events: list[Event], status: ModelWeightsStatus,
-            steps: list[Step] = (), pod_uids: dict[str, str] | None = None) -> None:
-    """Core Events on the ModelWeights, or on one of its serving pods (kopf posts them in the background),
-    and metrics."""
-    for e in events:
-        target = body if e.pod is None else {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": e.pod, "namespace": body["metadata"]["namespace"], "uid": (pod_uids or {}).get(e.pod)}}
-        kopf.event(target, type=e.type, reason=e.reason, message=e.message[:1024])
-        if e.type == WARNING and e.reason != "StepRetrying":
-            metrics.ERRORS.labels(e.reason).inc()
-        if e.reason == "ArtifactReady" and steps and mw is not None:
-            size = status.artifact.total_bytes if status.artifact else 0
-            metrics.STEP_BYTES.labels(steps[-1].name, _format(mw)).inc(size)
-    metrics.phase(uid, getattr(status.phase, "value", status.phase))
-
-
-def _format(mw: ModelWeights) -> str:
-    return getattr(mw.spec.format.type, "value", mw.spec.format.type)
-
-
-def _parse_status(raw: dict[str, Any]) -> ModelWeightsStatus:
-    return ModelWeightsStatus.model_validate(raw) if raw else ModelWeightsStatus()
-
-
 def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: list[Step],
                done: list[StartStep | RetryStep | PatchWorkload | RemoveArtifact],
                workload_indexes: dict[str, Any] | None = None, pod_index: Any = None,
@@ -623,40 +390,47 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         raise PoliciesNotEnforced(problem)  # fail closed: no Job, no patch, no binding
     going = bool((mw.metadata.model_extra or {}).get("deletionTimestamp"))
     for action in result.actions:
-        if isinstance(action, StartStep):
-            log.info("%s/%s: starting step %s", namespace, name, action.step.id)
-            EXECUTOR.start(mw, uid, action.step)
-            metrics.step_started(action.step.id)
-        elif isinstance(action, RetryStep):
-            log.info("%s/%s: retrying step %s (retry %d)", namespace, name, action.step.id, action.attempt)
-            EXECUTOR.retry(mw, action.step)
-        elif isinstance(action, RemoveArtifact):
-            log.info("%s/%s: removing superseded artifact %s", namespace, name, action.artifact.uri)
-            EXECUTOR.remove_artifact(mw, uid, action.artifact)
-        elif isinstance(action, FillNode):
-            log.info("%s/%s: filling the node cache on %s (round %d)", namespace, name, action.node, action.round)
-            EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round, action.placement)
-        elif isinstance(action, RemoveFill):
-            EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
-        elif isinstance(action, WarmUp):
-            if going:
-                continue  # no pod for an object that is going
-            log.info("%s/%s: warming up %s's compiled state (key %s)", namespace, name, action.name, action.key)
-            if action.reporter_service_account:  # the Job's loader reports as the replicas' will
-                ensure_reporter(namespace, action.reporter_service_account)
-            EXECUTOR.warm_up(mw, uid, action.name, action.patch, action.key, action.resource_version)
-        elif isinstance(action, RemoveWarmUp):
-            log.info("%s/%s: removing warm-up Job %s (its key is no longer wanted)", namespace, name, action.job)
-            EXECUTOR.remove_warm_up(mw, action.job)
-        elif isinstance(action, PatchWorkload):
-            if going:
-                continue  # going: the delete handler puts strategies back; nothing is wired any more
-            log.info("%s/%s: wiring %s %s", namespace, name, action.kind.lower(), action.name)
-            for account in {action.reporter_service_account, action.leader_service_account} - {None}:
-                ensure_reporter(namespace, account)
-            workload_api.patch(APPS, CUSTOM, namespace, action)
-        done.append(action)
+        if _act(mw, namespace, name, uid, action, going):
+            done.append(action)
     return result.status, result.requeue_after
+
+
+def _act(mw: ModelWeights, namespace: str, name: str, uid: str, action: Any, going: bool) -> bool:
+    """Carry out one of the planner's actions; False if it was not (`going`: the object is being deleted:
+    no pod, no patch)."""
+    if isinstance(action, StartStep):
+        log.info("%s/%s: starting step %s", namespace, name, action.step.id)
+        EXECUTOR.start(mw, uid, action.step)
+        metrics.step_started(action.step.id)
+    elif isinstance(action, RetryStep):
+        log.info("%s/%s: retrying step %s (retry %d)", namespace, name, action.step.id, action.attempt)
+        EXECUTOR.retry(mw, action.step)
+    elif isinstance(action, RemoveArtifact):
+        log.info("%s/%s: removing superseded artifact %s", namespace, name, action.artifact.uri)
+        EXECUTOR.remove_artifact(mw, uid, action.artifact)
+    elif isinstance(action, FillNode):
+        log.info("%s/%s: filling the node cache on %s (round %d)", namespace, name, action.node, action.round)
+        EXECUTOR.fill(mw, uid, action.node, action.artifact, action.round, action.placement)
+    elif isinstance(action, RemoveFill):
+        EXECUTOR.remove_fill(mw, action.node, action.digest, action.round)
+    elif isinstance(action, WarmUp):
+        if going:
+            return False  # no pod for an object that is going
+        log.info("%s/%s: warming up %s's compiled state (key %s)", namespace, name, action.name, action.key)
+        if action.reporter_service_account:  # the Job's loader reports as the replicas' will
+            ensure_reporter(namespace, action.reporter_service_account)
+        EXECUTOR.warm_up(mw, uid, action.name, action.patch, action.key, action.resource_version)
+    elif isinstance(action, RemoveWarmUp):
+        log.info("%s/%s: removing warm-up Job %s (its key is no longer wanted)", namespace, name, action.job)
+        EXECUTOR.remove_warm_up(mw, action.job)
+    elif isinstance(action, PatchWorkload):
+        if going:
+            return False  # going: the delete handler puts strategies back; nothing is wired any more
+        log.info("%s/%s: wiring %s %s", namespace, name, action.kind.lower(), action.name)
+        for account in {action.reporter_service_account, action.leader_service_account} - {None}:
+            ensure_reporter(namespace, account)
+        workload_api.patch(APPS, CUSTOM, namespace, action)
+    return True
 
 
 def prewarm_nodes(mw: ModelWeights, nodes: dict[str, NodeFacts]) -> list[str]:
