@@ -201,6 +201,26 @@ def test_the_status_counts_warm_pods_and_names_a_key_change():
     assert status_after(mw("Off"), current, pods).status.compiled_state is None
 
 
+def test_the_status_names_a_tag_that_moved_between_pods():
+    """The key holds the image reference: pods that pulled one tag as different bytes (the kubelet's
+    imageID) share an entry vLLM's own key tells apart; the status says so and how to key by the bytes."""
+    m = mw()
+    current = wired_with(m.spec, deployment())
+    old, new = "docker.io/vllm/vllm-openai@sha256:" + "a" * 64, "docker.io/vllm/vllm-openai@sha256:" + "b" * 64
+
+    def running(name, image_id, message="ok; compiled state restored: 3 files, 10 bytes from x, verified"):
+        return replace(pod(name, message), image_ids=(("ferry-compiled-harvest", "sha256:" + "c" * 64),
+                                                      ("vllm", image_id)))
+    moved = status_after(m, current, [running("a", old), running("b", new)]).status.compiled_state
+    assert "the tag moved" in moved.message and "aaaaaaaaaaaa, bbbbbbbbbbbb" in moved.message, moved.message
+    assert "vllm/vllm-openai:v0.32.0@sha256:" in moved.message and moved.message.endswith("verified")
+    same = status_after(m, current, [running("a", old), running("b", old)]).status.compiled_state
+    assert "tag moved" not in same.message
+    pinned = wired_with(m.spec, deployment(image="vllm/vllm-openai@sha256:" + "a" * 64))
+    by_digest = status_after(m, pinned, [running("a", old), running("b", new)]).status.compiled_state
+    assert "tag moved" not in by_digest.message  # a reference by digest is its bytes
+
+
 def test_a_read_only_many_claim_gets_no_compiled_state():
     s = parse(with_("storage.pvc.accessModes", ["ReadOnlyMany"], with_("serving.compiledState",
                                                                       {"mode": "AfterFirstReady"}))).spec

@@ -151,9 +151,12 @@ def test_pod_facts_from_the_api_object():
                                                       "ferry.dev/artifact-digest": DIGEST}},
             "status": {"conditions": [{"type": GATE, "status": "True", "reason": "Loaded", "message": "ok"}],
                        "initContainerStatuses": [{"name": LOADER_CONTAINER, "state": {"terminated": {
-                           "exitCode": 0, "startedAt": "2026-12-01T10:00:00Z", "finishedAt": "2026-12-01T10:00:07Z"}}}]}}
+                           "exitCode": 0, "startedAt": "2026-12-01T10:00:00Z", "finishedAt": "2026-12-01T10:00:07Z"}}}],
+                       "containerStatuses": [{"name": "vllm", "imageID": "docker.io/v@sha256:" + "a" * 64},
+                                             {"name": "sidecar"}]}}  # not started: no imageID yet
     facts = pod_facts(body)
     assert (facts.owner, facts.digest, facts.gate, facts.load_seconds) == ("llama", DIGEST, "True", 7.0)
+    assert facts.image_ids == (("vllm", "docker.io/v@sha256:" + "a" * 64),)
     assert summarize([facts], DIGEST, 1).complete
 
 

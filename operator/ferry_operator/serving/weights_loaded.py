@@ -40,6 +40,8 @@ class PodFacts:
     group: str = ""  # the serving group it belongs to (group_of); a Deployment's pod is a group of its own
     ready_seconds: float | None = None  # created -> Ready, once Ready
     ready: bool = False  # its Ready condition is True
+    # (container, imageID): the image bytes the kubelet runs each started container from (its digest)
+    image_ids: tuple[tuple[str, str], ...] = ()
 
 
 LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
@@ -84,6 +86,8 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         created=_time(meta.get("creationTimestamp")), group=group_of(body, workload_of(body)),
         ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []),
         ready_seconds=_ready_seconds(meta, status),
+        image_ids=tuple((str(c.get("name", "")), str(c.get("imageID") or "")[:512])
+                        for c in (status.get("containerStatuses") or [])[:64] if c.get("imageID")),
     )
 
 
