@@ -80,7 +80,9 @@ def wired(patch, base):
     inits = {c["name"]: {"image": c.get("image"), "args": c.get("args", [])} for c in pod.get("initContainers", [])
              if "$patch" not in c}
     (vllm,) = pod["containers"]
-    return replace(base, containers={"vllm": vllm["args"]}, init_containers=inits,
+    envs = {c["name"]: [e for e in c.get("env", []) if "$patch" not in e]
+            for c in [vllm, *pod.get("initContainers", [])] if "$patch" not in c}
+    return replace(base, containers={"vllm": vllm["args"]}, init_containers=inits, envs=envs,
                    readiness_gates=[g["conditionType"] for g in pod.get("readinessGates", [])],
                    probed=frozenset({"vllm"}),
                    template_annotations=patch["spec"]["template"]["metadata"]["annotations"],
@@ -291,9 +293,7 @@ def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it():
     assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v or v["name"] == STORE_VOLUME]
     assert "$patch" not in json.dumps(harvest)  # no directive inside a container the patch adds
     # Ferry's own S3 env, which the wiring adds to the vLLM container, is not in the key: no second rollout.
-    wired_s3 = wired(patch, deployment())
-    vllm_env = next(c for c in pod["containers"] if c["name"] == "vllm")["env"]
-    wired_s3 = replace(wired_s3, envs={"vllm": vllm_env}, weights_volume="")
+    wired_s3 = replace(wired(patch, deployment()), weights_volume="")
     assert template_patch(s3_spec(), "llama", S3_ARTIFACT, "vllm", wired_s3, LOADER) is None
 
 
@@ -301,8 +301,7 @@ def test_a_changed_s3_secret_reaches_every_container_that_reads_the_store():
     """storage.s3.credentialsSecretRef is not in the key (the same bytes), but the vLLM container, the
     loader and the harvest read S3 with it: the template is rewired, each of the three gets the new name."""
     patch = template_patch(s3_spec(), "llama", S3_ARTIFACT, "vllm", deployment(), LOADER)
-    vllm_env = next(c for c in pod_spec(patch)["containers"] if c["name"] == "vllm")["env"]
-    current = replace(wired(patch, deployment()), envs={"vllm": vllm_env}, weights_volume="")
+    current = replace(wired(patch, deployment()), weights_volume="")
     moved = parse(with_("storage.s3.credentialsSecretRef", {"name": "s3-creds-2"}, with_(
         "serving.compiledState", {"mode": "AfterFirstReady"},
         manifest(format={"type": "runai_streamer"}, storage=S3_STORAGE)))).spec
@@ -314,13 +313,37 @@ def test_a_changed_s3_secret_reaches_every_container_that_reads_the_store():
         secrets = {e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
         assert secrets == {"s3-creds-2"}, container["name"]
     assert loader["args"] == pod_spec(patch)["initContainers"][0]["args"]  # the same key: only the env moved
-    rewired = replace(current, envs={"vllm": pod["containers"][0]["env"]})
-    assert template_patch(moved, "llama", S3_ARTIFACT, "vllm", rewired, LOADER) is None
+    assert template_patch(moved, "llama", S3_ARTIFACT, "vllm", replace(wired(again, deployment()), weights_volume=""),
+                          LOADER) is None
 
 
-def test_an_s3_artifact_gets_no_compiled_state_where_no_pod_may_reach_the_store():
-    cached = plan_compiled(s3_spec(nodeCache={"enabled": True}), S3_ARTIFACT, "i", [], True, 8000)
-    assert not cached.on and "node cache" in cached.reason and "S3 credentials" in cached.reason
+def test_under_the_node_cache_the_state_is_in_s3_and_only_ferrys_containers_hold_credentials():
+    """Weights from the node cache: vLLM reads no S3 and holds no S3 credentials; the loader (restore) and
+    the harvest (publish) hold them for the compiled state's store in S3, by named keys. A moved Secret
+    reaches both, and the rewired template is at rest."""
+    cached = s3_spec(nodeCache={"enabled": True})
+    patch = template_patch(cached, "llama", S3_ARTIFACT, "vllm", deployment(), LOADER)
+    pod = pod_spec(patch)
+    (vllm,), (loader, harvest) = pod["containers"], pod["initContainers"]
+    assert not [e for e in vllm.get("env", []) if e["name"].startswith("AWS_") and "$patch" not in e]
+    assert [v for v in pod["volumes"] if v["name"] == "ferry-weights"][0]["csi"]["readOnly"] is True
+    store = "s3://ferry-artifacts/llama/ml/llama/0b7e/compiled"
+    assert loader["args"][loader["args"].index("--compiled-store") + 1] == store
+    for c in (loader, harvest):
+        refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+        assert refs == {"s3-creds"} and not [e for e in c["env"] if "$patch" in e], c["name"]
+    preferred = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    current = replace(wired(patch, deployment()), weights_volume="csi", preferred_nodes=preferred)
+    assert template_patch(cached, "llama", S3_ARTIFACT, "vllm", current, LOADER) is None
+    moved = parse(with_("storage.s3.credentialsSecretRef", {"name": "s3-creds-2"}, with_(
+        "serving.nodeCache", {"enabled": True}, with_("serving.compiledState", {"mode": "AfterFirstReady"},
+                                                      manifest(format={"type": "runai_streamer"}, storage=S3_STORAGE))))).spec
+    again = pod_spec(template_patch(moved, "llama", S3_ARTIFACT, "vllm", current, LOADER))
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in again["initContainers"][0]["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})} == {"s3-creds-2"}
+
+
+def test_an_s3_artifact_ferry_did_not_publish_gets_no_compiled_state():
     users = S3_ARTIFACT.model_copy(update={"uri": "s3://someone-elses/models/llama"})  # not Ferry's prefix
     foreign = plan_compiled(s3_spec(), users, "i", [], True, 8000)
     assert not foreign.on and "published to storage.s3" in foreign.reason

@@ -200,7 +200,8 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
     """The store follows the artifact: S3 beside one Ferry published there, the claim beside one on a claim.
     Each move deletes what the other store's wiring added (the store volume and mounts; the scratch volume,
     its mount, the S3 env and TMPDIR of the harvest); every patch is accepted and leaves the template at rest.
-    A moved credentialsSecretRef rewires the three containers that read S3."""
+    A moved credentialsSecretRef rewires the three containers that read S3; under the node cache vLLM holds
+    no S3 credentials and Ferry's two containers keep theirs."""
     from ferry_operator.serving.compiled import HARVEST_CONTAINER
     name = "compiled-moves"
     vllm_deployment(kube, namespace, name)
@@ -210,10 +211,11 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
                   manifest_digest="sha256:" + "4" * 64)
     loader = LoaderSettings(image="ferry.local/f:1")
 
-    def wire(where: str, mode: str = "AfterFirstReady", secret: str = "s3-creds") -> dict:
+    def wire(where: str, mode: str = "AfterFirstReady", secret: str = "s3-creds", cache: bool = False) -> dict:
         current = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
         base = with_("storage.s3.credentialsSecretRef", {"name": secret}, RUNAI_S3) if where == "s3" else None
-        s = parse(with_("serving.compiledState", {"mode": mode}, base)).spec
+        s = parse(with_("serving.nodeCache", {"enabled": cache}, with_("serving.compiledState", {"mode": mode},
+                                                                        base))).spec
         artifact = s3 if where == "s3" else claim
         patch = template_patch(s, "llama", artifact, "vllm", current, loader)
         assert patch is not None
@@ -241,10 +243,20 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
         loader_mounts = {m["mountPath"] for m in pod["initContainers"][0]["volumeMounts"]}
         assert ("/ferry/compiled-store" in loader_mounts) is (where == "claim"), loader_mounts
     # A moved credentialsSecretRef (not in the key) reaches the vLLM container, the loader and the harvest.
+    def refs(c: dict) -> set[str]:
+        return {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env") or []
+                if "secretKeyRef" in e.get("valueFrom", {})}
     pod = wire("s3", secret="s3-creds-2")
     for c in (pod["containers"][0], pod["initContainers"][0], harvest(pod)):
-        refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
-        assert refs == {"s3-creds-2"}, (c["name"], refs)
+        assert refs(c) == {"s3-creds-2"}, (c["name"], refs(c))
+    # Weights from the node cache: vLLM's S3 env goes, the loader and the harvest keep theirs (the state's
+    # store); and back.
+    pod = wire("s3", secret="s3-creds-2", cache=True)
+    assert refs(pod["containers"][0]) == set() and not any(
+        e["name"].startswith("AWS_") for e in pod["containers"][0].get("env") or [])
+    assert refs(pod["initContainers"][0]) == refs(harvest(pod)) == {"s3-creds-2"}
+    pod = wire("s3", secret="s3-creds-2")
+    assert refs(pod["containers"][0]) == refs(pod["initContainers"][0]) == {"s3-creds-2"}
     off = wire("s3", "Off")
     assert [c["name"] for c in off["initContainers"]] == ["ferry-load"]
     assert not [v for v in off["volumes"] if v["name"].startswith("ferry-compiled")], off["volumes"]

@@ -3,7 +3,8 @@ sidecar once it serves, and the next pod starts with them restored and verified 
 state is refused (the pod compiles; the next harvest replaces it); a changed command line makes a new key
 and the status names what changed; under BeforeRollout the next change is compiled by a warm-up Job first
 and the rolled pod starts warm; a warm-up Job the API server refuses (a quota) does not hold the rollout;
-another namespace cannot mount the store; an S3 artifact's state is kept in S3 beside it and deleted with it.
+another namespace cannot mount the store; an S3 artifact's state is kept in S3 beside it (also when the node
+cache serves the weights) and deleted with it.
 
 Shares the module-scoped chart operator, S3 server and checkpoint of the node lane (tests/node/conftest.py),
 and one ModelWeights for the claim's steps (another for S3's). The serving process is a busybox stand-in for
@@ -192,7 +193,9 @@ def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it_and_deleted_with
                                                                                    checkpoint):
     """runai_streamer published to storage.s3: the store is in S3 beside the artifact. The first pod compiles
     and its harvest writes the tar and then the manifest; the next pod restores from S3 (WARM, the same
-    bytes); deleting the ModelWeights (deletionPolicy Delete) empties the compiled prefix."""
+    bytes); with the node cache serving the weights, the state stays in S3 (vLLM holds no S3 credentials,
+    Ferry's loader and harvest do); deleting the ModelWeights (deletionPolicy Delete) empties the compiled
+    prefix."""
     name = unique("s3compiled")
     upload_dir(node_s3, name, "tiny-llama", checkpoint)
     s3_secret(node, NAMESPACE, f"{name}-s3", node_s3)
@@ -223,6 +226,32 @@ def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it_and_deleted_with
     # The warm pod's harvest finds the entry (published once). Waited for before the deletion: a serving pod
     # that outlives its ModelWeights and harvests after it would keep its state once more (docs/security.md).
     assert "compiled state present" in harvested(node, warm)
+
+    # The node cache serves the weights (serving.nodeCache): vLLM holds no S3 credentials any more; the loader
+    # and the harvest keep the store's, by named keys. --model is now the node's entry, a new key: the rolled
+    # pod compiles and publishes, and the next one restores from S3.
+    try:
+        node.kubectl("patch", "modelweights", name, "-n", NAMESPACE, "--type=merge", "-p",
+                     json.dumps({"spec": {"serving": {"nodeCache": {"enabled": True}}}}))
+        cached = wait_for(lambda: (lambda p: p if p["metadata"]["name"] != warm["metadata"]["name"] else None)(
+            current_pod(node, name)), f"{name}'s pod on the node cache", 300)
+        pod = cached["spec"]
+        assert [v for v in pod["volumes"] if v["name"] == "ferry-weights" and "csi" in v], pod["volumes"]
+        (vllm,) = [c for c in pod["containers"] if c["name"] == "vllm"]
+        assert not [e for e in vllm.get("env") or [] if e["name"].startswith("AWS_")], vllm["env"]
+        for c in pod["initContainers"]:  # the loader and the harvest
+            refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env") or []
+                    if "secretKeyRef" in e.get("valueFrom", {})}
+            assert refs == {f"{name}-s3"}, (c["name"], refs)
+        assert logs(node, cached, "vllm").startswith("COLD")
+        assert "compiled state published" in harvested(node, cached)
+        again = restart(node, name)
+        assert logs(node, again, "vllm").strip() == f"WARM compiled-by-{cached['metadata']['name']}"
+        assert "compiled state restored" in loader_message(again)
+        assert "compiled state present" in harvested(node, again)
+    finally:  # its pods mount a node cache entry: they go while the agent runs
+        node.kubectl("delete", "deployment", name, "-n", NAMESPACE, "--wait=true", "--timeout=90s", check=False,
+                     timeout=120)
 
     node.kubectl("delete", "modelweights", name, "-n", NAMESPACE, "--wait=false")
     wait_for(lambda: not stored(), "the compiled prefix emptied by the deletion", 180)

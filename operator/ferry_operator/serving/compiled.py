@@ -122,10 +122,6 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
     if store is not None and pvc is not None and pvc.access_modes and set(pvc.access_modes) == {"ReadOnlyMany"}:
         return Compiled(reason="serving.compiledState needs a claim the harvest can write: storage.pvc.accessModes "
                                "is ReadOnlyMany")
-    cached = bool(spec.serving and spec.serving.node_cache and spec.serving.node_cache.enabled)
-    if s3_store is not None and cached:
-        return Compiled(reason="serving.compiledState is not kept for an S3 artifact served from the node cache: "
-                               "its pods hold no S3 credentials, and Ferry does not give them some")
     if store is None and s3_store is None:
         return Compiled(reason=f"serving.compiledState needs an artifact on a claim (storage.pvc) or one Ferry "
                                f"published to storage.s3; {artifact.uri.split('://')[0]}:// artifacts of this "

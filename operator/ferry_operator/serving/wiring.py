@@ -71,7 +71,7 @@ class WorkloadFacts:
     placement: Placement = field(default_factory=Placement)
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)  # container name -> its resources
     images: dict[str, str] = field(default_factory=dict)  # container name -> image
-    envs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # container name -> env
+    envs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # (init) container name -> env
     # A Deployment's rollout: spec.strategy, the strategy Ferry saved (serving/rollout.py; the raw annotation),
     # its pods not of the current template (status.replicas - updatedReplicas), and its available pods.
     strategy: dict[str, Any] | None = None
@@ -102,7 +102,8 @@ def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> W
         placement=placement_of(pod),
         resources={c["name"]: dict(c.get("resources") or {}) for c in containers},
         images={c["name"]: str(c.get("image") or "") for c in containers},
-        envs={c["name"]: list(c.get("env") or []) for c in containers},
+        # Init containers too (names are unique across both lists): the loader's env is Ferry's to compare.
+        envs={c["name"]: list(c.get("env") or []) for c in [*containers, *(pod.get("initContainers") or [])]},
         host_ports=bool(pod.get("hostNetwork")) or any(p.get("hostPort") for c in containers + list(
             pod.get("initContainers") or []) for p in c.get("ports") or []),
         **{"rolled_out": False, **workload},
@@ -342,8 +343,9 @@ def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, An
         if artifact.uri.startswith("s3://"):
             gone = [{"name": e["name"], "$patch": "delete"} for e in s3_env(spec)]
             c["env"] = gone
-            if init is not None:
-                init["env"] += gone
+            if init is not None:  # not those it holds for a compiled-state store in S3 (store_env)
+                held = {e["name"] for e in init["env"]}
+                init["env"] += [e for e in gone if e["name"] not in held]
         return
     if env:
         c["env"] = env
@@ -415,6 +417,8 @@ def template_patch(
                              health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
+        if compiled.s3_store and mounted is not None:  # weights from the node cache, the state from S3
+            init["env"] += list(compiled.store_env)
     if init is not None and group is not None:
         init["args"] += group.loader_args()
         init["env"].append(group.env())
@@ -429,8 +433,11 @@ def template_patch(
                       and probe_current) if init else (have is None and GATE not in current.readiness_gates)
     loader_current = loader_current and harvest_current(compiled, current.init_containers.get(HARVEST_CONTAINER),
                                                          init["image"] if init else "")
-    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too.
-    loader_current = loader_current and env_current(current.envs.get(name, []), env)
+    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too. The
+    # loader holds it where it reads S3: the artifact, or (weights from the node cache) the compiled state.
+    loader_env = env if mounted is None or not compiled.s3_store else list(compiled.store_env)
+    loader_current = loader_current and env_current(current.envs.get(name, []), env) and (
+        init is None or env_current(current.envs.get(LOADER_CONTAINER, []), loader_env))
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = (not current.weights_volume if mounted is None
                       else (current.weights_volume == "csi") == ("csi" in mounted[0]))
