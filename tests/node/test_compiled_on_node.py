@@ -19,6 +19,7 @@ import json
 import pytest
 
 from cluster_support import wait_for
+from ferry_operator.serving.weights_loaded import pod_facts
 from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, s3_secret, unique,
                           upload_dir)
 from test_serving_failures_on_node import deployment, wired_modelweights
@@ -92,6 +93,9 @@ def test_compiled_state_is_kept_restored_refused_when_corrupt_and_rekeyed(node, 
     vllm = next(c for c in first["spec"]["containers"] if c["name"] == "vllm")
     assert {"name": "VLLM_CACHE_ROOT", "value": "/ferry/compiled"} in vllm["env"]
     assert "ferry-compiled-store" not in [m["name"] for m in vllm["volumeMounts"]]  # vLLM never writes the store
+    # The bytes each container runs from, as the kubelet reports them (what a moved tag is told by).
+    image_ids = dict(pod_facts(first).image_ids)
+    assert image_ids.keys() >= {"vllm"} and image_ids["vllm"].rpartition("sha256:")[2].isalnum(), image_ids
 
     warm = restart(node, name)
     assert logs(node, warm, "vllm").strip() == f"WARM compiled-by-{first['metadata']['name']}"
