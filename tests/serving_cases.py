@@ -77,6 +77,11 @@ def apply(current: WorkloadFacts, patch: dict[str, Any] | None) -> WorkloadFacts
             commands[c["name"]] = list(c["command"])
         if "env" in c:
             envs[c["name"]] = merged_env(envs.get(c["name"], []), c["env"])
+    for c in template["spec"].get("initContainers") or []:  # names are unique across both lists
+        if c.get("$patch") == "delete":
+            envs.pop(c["name"], None)
+        elif "env" in c:
+            envs[c["name"]] = merged_env(envs.get(c["name"], []), c["env"])
     return replace(current, containers=containers, commands=commands, template_annotations=annotations,
                    envs=envs, weights_volume=merged_weights_volume(current, template["spec"]))
 
@@ -87,8 +92,9 @@ def merged_env(have: list[dict[str, Any]], patch: list[dict[str, Any]]) -> list[
     for e in patch:
         if e.get("$patch") == "delete":
             by_name.pop(e["name"], None)
-        else:
-            by_name[e["name"]] = e
+        else:  # maps merge: a key set to null goes
+            merged = {**by_name.get(e["name"], {}), **e}
+            by_name[e["name"]] = {k: v for k, v in merged.items() if v is not None}
     return list(by_name.values())
 
 

@@ -131,7 +131,8 @@ def test_an_s3_artifact_is_served_from_the_node_cache_with_no_s3_in_the_pod_and_
         (patch,) = kinds(plan(m, seen, loader=LOADER), PatchWorkload)
         return patch.patch["spec"]["template"]["spec"], apply(current, patch.patch)
 
-    pod, on_cache = wire(spec(True), deployment())
+    _, streamed = wire(spec(False), deployment())
+    pod, on_cache = wire(spec(True), streamed)
     (c,) = pod["containers"]
     assert "/ferry/weights" in c["args"] and not any("s3://" in a for a in c["args"])
     assert c["args"][c["args"].index("--load-format") + 1] == load_format

@@ -210,14 +210,23 @@ def test_the_status_names_a_tag_that_moved_between_pods():
     current = wired_with(m.spec, deployment())
     old, new = "docker.io/vllm/vllm-openai@sha256:" + "a" * 64, "docker.io/vllm/vllm-openai@sha256:" + "b" * 64
 
-    def running(name, image_id, message="ok; compiled state restored: 3 files, 10 bytes from x, verified"):
-        return replace(pod(name, message), image_ids=(("ferry-compiled-harvest", "sha256:" + "c" * 64),
-                                                      ("vllm", image_id)))
+    def running(name, image_id, image="vllm/vllm-openai:v0.32.0",
+                message="ok; compiled state restored: 3 files, 10 bytes from x, verified"):
+        return replace(pod(name, message), images=(("vllm", image),),
+                       image_ids=(("ferry-compiled-harvest", "sha256:" + "c" * 64), ("vllm", image_id)))
     moved = status_after(m, current, [running("a", old), running("b", new)]).status.compiled_state
     assert "the tag moved" in moved.message and "aaaaaaaaaaaa, bbbbbbbbbbbb" in moved.message, moved.message
-    assert "vllm/vllm-openai:v0.32.0@sha256:" in moved.message and moved.message.endswith("verified")
+    assert "vllm/vllm-openai:v0.32.0@sha256:" in moved.message and moved.message.startswith("pod a: restored")
     same = status_after(m, current, [running("a", old), running("b", old)]).status.compiled_state
     assert "tag moved" not in same.message
+    # The same bytes named two ways are one image; a pod of the template before (another image, a rollout
+    # under way) and a forged imageID do not count.
+    spelled = status_after(m, current, [running("a", old), running("b", "sha256:" + "a" * 64)]).status
+    assert "tag moved" not in spelled.compiled_state.message
+    rolling = [running("a", old), running("b", new, image="vllm/vllm-openai:v0.31.0")]
+    assert "tag moved" not in status_after(m, current, rolling).status.compiled_state.message
+    forged = [running("a", old), running("b", "sha256:\nnot-a-digest")]
+    assert "tag moved" not in status_after(m, current, forged).status.compiled_state.message
     pinned = wired_with(m.spec, deployment(image="vllm/vllm-openai@sha256:" + "a" * 64))
     by_digest = status_after(m, pinned, [running("a", old), running("b", new)]).status.compiled_state
     assert "tag moved" not in by_digest.message  # a reference by digest is its bytes

@@ -260,3 +260,62 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
     off = wire("s3", "Off")
     assert [c["name"] for c in off["initContainers"]] == ["ferry-load"]
     assert not [v for v in off["volumes"] if v["name"].startswith("ferry-compiled")], off["volumes"]
+
+
+def test_ferrys_s3_env_follows_the_spec_and_leaves_the_users_own(kube, namespace):
+    """Ferry's S3 env (endpoint, region, credentials by named key) in vLLM's container and the loader: a
+    region over the user's own entry of that name (a ConfigMap reference: Ferry's value replaces it, not
+    merged into one invalid entry), an endpoint removed from the spec (its entries go from both), the node
+    cache turned on (vLLM keeps none of Ferry's), an artifact moved to a claim (none anywhere); every patch
+    accepted and at rest, the user's other env untouched. A template Ferry wired before it recorded its
+    names (no annotation) is at rest as it is: no rollout on upgrade."""
+    from ferry_operator.serving.s3_env import S3_ENV_ANNOTATION
+    name = "s3-env"
+    kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}}, "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+                                             "args": ["--model", "m"], "env": [
+                                                 {"name": "HF_HOME", "value": "/cache"},
+                                                 {"name": "AWS_DEFAULT_REGION", "valueFrom": {"configMapKeyRef": {
+                                                     "name": "aws", "key": "region"}}}]}]}}}})
+    s3 = Artifact(uri="s3://ferry-artifacts/llama/abc", format="runai_streamer", total_bytes=1 << 20,
+                  manifest_digest=DIGEST)
+    claim = Artifact(uri="pvc://llama-weights/llama/0b7e/8bcdf0a3ee78/artifact", format="runai_streamer",
+                     total_bytes=1 << 20, manifest_digest="sha256:" + "5" * 64)
+    loader = LoaderSettings(image="ferry.local/f:1")
+
+    def wire(artifact, s3_fields: dict, cache: bool = False) -> tuple[dict, dict]:
+        current = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+        obj = with_("storage.s3", {"uri": "s3://ferry-artifacts/llama", "credentialsSecretRef": {"name": "creds"},
+                                   **s3_fields}, with_("serving.nodeCache", {"enabled": cache}, RUNAI_S3))
+        s = parse(obj).spec
+        patch = template_patch(s, "llama", artifact, "vllm", current, loader)
+        assert patch is not None
+        kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p", json.dumps(patch))
+        after = kube.get_json("deployment", name, "-n", namespace)
+        assert template_patch(s, "llama", artifact, "vllm", deployment_facts(after), loader) is None  # at rest
+        pod = after["spec"]["template"]["spec"]
+        envs = {c["name"]: {e["name"]: e for e in c.get("env") or []} for c in pod["containers"] + pod["initContainers"]}
+        return envs["vllm"], envs["ferry-load"]
+
+    vllm, init = wire(s3, {"endpoint": "http://minio:9000", "region": "eu-1"})
+    assert vllm["AWS_DEFAULT_REGION"] == {"name": "AWS_DEFAULT_REGION", "value": "eu-1"}
+    assert vllm["AWS_ENDPOINT_URL"]["value"] == init["AWS_ENDPOINT_URL"]["value"] == "http://minio:9000"
+    vllm, init = wire(s3, {"region": "eu-1"})  # back to AWS's own endpoint
+    assert "AWS_ENDPOINT_URL" not in vllm and "AWS_ENDPOINT_URL" not in init
+    assert "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING" not in vllm and "AWS_ACCESS_KEY_ID" in vllm
+    # Wired before Ferry recorded its names: as it is, it stays (no patch).
+    kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=json", "-p", json.dumps([
+        {"op": "remove", "path": "/spec/template/metadata/annotations/" + S3_ENV_ANNOTATION.replace("/", "~1")}]))
+    legacy = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+    same = parse(with_("storage.s3", {"uri": "s3://ferry-artifacts/llama", "credentialsSecretRef": {"name": "creds"},
+                                      "region": "eu-1"}, RUNAI_S3)).spec
+    assert template_patch(same, "llama", s3, "vllm", legacy, loader) is None
+    vllm, init = wire(s3, {"region": "eu-1"}, cache=True)
+    assert not [n for n in vllm if n.startswith("AWS_") or n.startswith("RUNAI_")], vllm
+    assert not [n for n in init if n.startswith("AWS_")], init
+    vllm, init = wire(s3, {"region": "eu-1"})
+    vllm, init = wire(claim, {"region": "eu-1"})
+    assert not [n for n in vllm if n.startswith("AWS_")] and not [n for n in init if n.startswith("AWS_")]
+    assert vllm["HF_HOME"] == {"name": "HF_HOME", "value": "/cache"}

@@ -6,6 +6,7 @@ tested without a cluster.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from enum import Enum
@@ -562,9 +563,9 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
             and restored == 0:
         message = before.message  # said until a pod of the new key restores
     moved = _moved_tag(current.images.get(name, ""), name, [p for p in observed.pods if p.digest == digest
-                                                           and p.workload in names and not p.terminating])
+                                                           and p.workload == target.key and not p.terminating])
     if moved:
-        message = f"{moved}; {message}"
+        message = f"{message}; {moved}"
     warm_up = (observed.warm_ups or {}).get(compiled.key)
     if warm_up is not None and warm_up.phase == "Failed" and restored == 0:
         message = (f"warm-up Job {warm_up.job} failed ({warm_up.message or 'no words'}), so the rollout went on "
@@ -573,15 +574,21 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
                                message=message[:1024])
 
 
+_IMAGE_DIGEST = re.compile(r"sha256:([0-9a-f]{64})$")  # the end of a pod's imageID: its bytes
+
+
 def _moved_tag(image: str, container: str, pods: list[PodFacts]) -> str:
     """Words for pods of one template that run `image` (a reference by tag) as different bytes: its tag
     moved between their pulls ("" if not). The key holds the reference, not the bytes, so such pods share
     one entry; vLLM's own cache key (its code and compiler hashes) tells the bytes apart, so a pod on other
     bytes compiles afresh and its harvest replaces the entry."""
-    seen = sorted({i for p in pods for c, i in p.image_ids if c == container})
-    if len(seen) < 2 or "@sha256:" in image:
+    if not image or "@sha256:" in image:
         return ""
-    shown = ", ".join(i.rpartition("@")[2].removeprefix("sha256:")[:12] for i in seen[:4])
+    seen = sorted({found.group(1) for p in pods if dict(p.images).get(container) == image
+                   for c, i in p.image_ids if c == container and (found := _IMAGE_DIGEST.search(i))})
+    if len(seen) < 2:
+        return ""
+    shown = ", ".join(d[:12] for d in seen[:4])
     return (f"the pods run {image} as {len(seen)} different images ({shown}): the tag moved; compiled state is "
             f"kept by image reference, vLLM's own key tells the bytes apart, and pods on other bytes compile "
             f"afresh; pin the image by digest ({image.split('@')[0]}@sha256:...) to key it by its bytes")

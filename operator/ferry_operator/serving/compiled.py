@@ -19,8 +19,9 @@ and compiler) still decides whether it uses what it finds: a stale entry is iner
 The store lives under the ModelWeights' uid on its own claim: only this object's pods mount it, and a
 state is never shared across objects, namespaces or images (docs/security.md). For an artifact Ferry
 published to storage.s3, the store is in S3 beside it (`<storage.s3.uri>/<ns>/<name>/<uid>/compiled`): the
-loader and the harvest reach it with the S3 credentials the pod holds for the artifact already (by named
-keys), and the harvest packs its tar in a scratch emptyDir (the root filesystem is read-only).
+loader and the harvest reach it with the object's S3 credentials (by named keys: those vLLM streams the
+artifact with; under the node cache only these two containers hold them), and the harvest packs its tar in
+a scratch emptyDir (the root filesystem is read-only).
 """
 from __future__ import annotations
 

@@ -25,3 +25,46 @@ def s3_env(spec: ModelWeightsSpec) -> list[dict[str, Any]]:
             {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
         ]
     return env
+
+
+# The S3 env names Ferry wrote into the serving container (comma-separated): tells Ferry's entries from a
+# user's of the same name, so the ones Ferry no longer wants are deleted and the user's are never touched.
+S3_ENV_ANNOTATION = "ferry.dev/s3-env"
+
+
+def _first_by_name(env: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> its first entry (the one a strategic merge updates)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in env:
+        if isinstance(e, dict) and isinstance(e.get("name"), str):
+            out.setdefault(e["name"], e)
+    return out
+
+
+def env_current(have: list[dict[str, Any]], want: list[dict[str, Any]], owned: frozenset[str] | set[str]) -> bool:
+    """Whether a container (as read) holds each of Ferry's entries `want`, and none of the names Ferry
+    `owned` that it no longer wants."""
+    held = _first_by_name(have)
+    wanted = {e["name"] for e in want}
+    return all(held.get(e["name"]) == e for e in want) and not any(n in held for n in set(owned) - wanted)
+
+
+def env_patch(have: list[dict[str, Any]], want: list[dict[str, Any]],
+              owned: frozenset[str] | set[str]) -> list[dict[str, Any]]:
+    """The env entries of a container's strategic-merge patch that leave exactly `want` among the names Ferry
+    `owned`: a delete for each one held and no longer wanted; each wanted entry, with the other of
+    value/valueFrom nulled where the held entry of that name has it (a merge would keep both)."""
+    held = _first_by_name(have)
+    wanted = {e["name"] for e in want}
+    out: list[dict[str, Any]] = [{"name": n, "$patch": "delete"} for n in sorted(set(owned) - wanted) if n in held]
+    for e in want:
+        out.append({**e, **{k: None for k in ("value", "valueFrom") if k in held.get(e["name"], {}) and k not in e}})
+    return out
+
+
+def owned_names(annotation: str | None, fallback: list[dict[str, Any]]) -> frozenset[str]:
+    """The S3 env names Ferry wrote into the serving container: its annotation's, else (a template wired
+    before Ferry recorded them) `fallback`'s."""
+    if annotation is None:
+        return frozenset(e["name"] for e in fallback)
+    return frozenset(n for n in annotation.split(",") if n in S3_ENV_NAMES)

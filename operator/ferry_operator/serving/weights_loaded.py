@@ -42,6 +42,7 @@ class PodFacts:
     ready: bool = False  # its Ready condition is True
     # (container, imageID): the image bytes the kubelet runs each started container from (its digest)
     image_ids: tuple[tuple[str, str], ...] = ()
+    images: tuple[tuple[str, str], ...] = ()  # (container, image) as its spec names it
 
 
 LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
@@ -88,6 +89,8 @@ def pod_facts(body: Mapping[str, Any]) -> PodFacts:
         ready_seconds=_ready_seconds(meta, status),
         image_ids=tuple((str(c.get("name", "")), str(c.get("imageID") or "")[:512])
                         for c in (status.get("containerStatuses") or [])[:64] if c.get("imageID")),
+        images=tuple((str(c.get("name", "")), str(c.get("image") or "")[:512])
+                     for c in ((body.get("spec") or {}).get("containers") or [])[:64]),
     )
 
 

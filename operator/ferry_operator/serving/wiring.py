@@ -28,7 +28,7 @@ from ..steps import pre_cut
 from .compiled import HARVEST_CONTAINER, harvest_current, loader_args, plan_compiled
 from .compiled import wire as wire_compiled
 from .groups import GROUP_ANNOTATION, GROUP_INDEX_ENV, Group  # noqa: F401 (re-exported)
-from .s3_env import s3_env  # noqa: F401 (re-exported)
+from .s3_env import S3_ENV_ANNOTATION, S3_ENV_NAMES, env_current, env_patch, owned_names, s3_env
 from .shapes import (MANAGED_FLAGS, ParallelismUnsupported, Recognised,  # noqa: F401 (re-exported)
                      ServingError, last_flag, recognise)
 
@@ -326,13 +326,12 @@ def weights_source(spec: ModelWeightsSpec, artifact: Artifact) -> tuple[tuple[di
     return mounted, MOUNT_PATH if mounted is not None else model_location(artifact.uri)
 
 
-def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, Any], c: dict[str, Any],
-                   init: dict[str, Any] | None, mounted: tuple[dict, dict] | None, env: list[dict[str, Any]],
-                   had_volume: str, local: bool) -> None:
-    """The serving container's (and the loader's) volumes, mounts and env for the artifact. Lists merge by
-    name (env, volumes) or mountPath (volumeMounts), so what an earlier wiring added and this one does not
-    want is deleted by name: the S3 env once the node cache serves an S3 artifact, the volume and both
-    containers' mounts of it once the artifact is read from the store again."""
+def _bring_weights(artifact: Artifact, pod: dict[str, Any], c: dict[str, Any], init: dict[str, Any] | None,
+                   mounted: tuple[dict, dict] | None, had_volume: str, local: bool) -> None:
+    """The serving container's (and the loader's) volumes and mounts for the artifact (their S3 env:
+    _s3_env). Lists merge by name (volumes) or mountPath (volumeMounts), so what an earlier wiring added and
+    this one does not want is deleted by name: the volume and both containers' mounts of it once the
+    artifact is read from the store again."""
     if mounted is not None:
         volume, mount = mounted
         pod["volumes"] = [volume]
@@ -340,15 +339,7 @@ def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, An
         if local:
             pod["volumes"].append(local_volume(artifact.total_bytes))
             c["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH, "readOnly": True})
-        if artifact.uri.startswith("s3://"):
-            gone = [{"name": e["name"], "$patch": "delete"} for e in s3_env(spec)]
-            c["env"] = gone
-            if init is not None:  # not those it holds for a compiled-state store in S3 (store_env)
-                held = {e["name"] for e in init["env"]}
-                init["env"] += [e for e in gone if e["name"] not in held]
         return
-    if env:
-        c["env"] = env
     if had_volume:
         unmount = {"mountPath": MOUNT_PATH, "$patch": "delete"}
         pod["volumes"] = [{"name": VOLUME_NAME, "$patch": "delete"}]
@@ -357,12 +348,55 @@ def _bring_weights(spec: ModelWeightsSpec, artifact: Artifact, pod: dict[str, An
             init["volumeMounts"].append(unmount)
 
 
-def env_current(have: list[dict[str, Any]], want: list[dict[str, Any]]) -> bool:
-    """Whether the serving container (as read) has each env entry Ferry gives it (`want`: the S3 store's
-    endpoint, region and credentials by named key). The loader's and the harvest's entries are the same
-    list, so the serving container's stand for them; a user's own entries are never compared."""
-    by_name = {e.get("name"): e for e in have if isinstance(e, dict)}
-    return all(by_name.get(e["name"]) == e for e in want)
+@dataclass(frozen=True)
+class S3Env:
+    """The S3 env (endpoint, region, credentials by named key) each container that reads S3 gets: the
+    serving container (`vllm`) where it streams the artifact; the loader where it reads the artifact or the
+    compiled state's store; the harvest where it publishes there. `owned`: the names Ferry wrote into the
+    serving container before (its annotation), which it may delete; all of S3_ENV_NAMES are Ferry's in its
+    own two containers."""
+
+    vllm: list[dict[str, Any]]
+    loader: list[dict[str, Any]]
+    harvest: list[dict[str, Any]]
+    owned: frozenset[str]
+
+    def current(self, current: WorkloadFacts, name: str, loaded: bool, harvested: bool) -> bool:
+        return (env_current(current.envs.get(name, []), self.vllm, self.owned)
+                and (not loaded or env_current(current.envs.get(LOADER_CONTAINER, []), self.loader, S3_ENV_NAMES))
+                and (not harvested or env_current(current.envs.get(HARVEST_CONTAINER, []), self.harvest,
+                                                  S3_ENV_NAMES)))
+
+
+def s3_env_of(spec: ModelWeightsSpec, artifact: Artifact, mounted: Any, compiled: Any,
+              annotations: dict[str, str]) -> S3Env:
+    env = s3_env(spec) if mounted is None else []  # vLLM streams the artifact from S3
+    store = list(compiled.store_env) if compiled.on and compiled.s3_store else []
+    # A template wired before Ferry recorded its names: those it wrote for an S3 artifact then.
+    legacy = s3_env(spec) if artifact.uri.startswith("s3://") else []
+    return S3Env(vllm=env, loader=env or store, harvest=store,
+                 owned=owned_names(annotations.get(S3_ENV_ANNOTATION), legacy))
+
+
+def _s3_env(s3: S3Env, current: WorkloadFacts, name: str, pod: dict[str, Any], c: dict[str, Any],
+            init: dict[str, Any] | None, annotations: dict[str, Any]) -> None:
+    """Each container's S3 env in the patch: Ferry's entries, and a delete for each it wrote and no longer
+    wants (in the loader and the harvest: any of S3_ENV_NAMES; in vLLM's: those its annotation lists)."""
+    vllm = env_patch(current.envs.get(name, []), s3.vllm, s3.owned)
+    if vllm:
+        c["env"] = [*vllm, *c.get("env", [])]
+    if init is not None:
+        init["env"] = [e for e in init["env"] if e["name"] not in S3_ENV_NAMES] + env_patch(
+            current.envs.get(LOADER_CONTAINER, []), s3.loader, S3_ENV_NAMES)
+    for harvest in pod.get("initContainers") or []:
+        if harvest.get("name") == HARVEST_CONTAINER and "$patch" not in harvest:
+            harvest["env"] = [e for e in harvest.get("env", []) if e["name"] not in S3_ENV_NAMES] + env_patch(
+                current.envs.get(HARVEST_CONTAINER, []), s3.harvest, S3_ENV_NAMES)
+            if not harvest["env"]:
+                del harvest["env"]
+    names = ",".join(sorted(e["name"] for e in s3.vllm))
+    if names or current.template_annotations.get(S3_ENV_ANNOTATION) is not None:
+        annotations[S3_ENV_ANNOTATION] = names or None
 
 
 def template_patch(
@@ -417,8 +451,7 @@ def template_patch(
                              health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
-        if compiled.s3_store and mounted is not None:  # weights from the node cache, the state from S3
-            init["env"] += list(compiled.store_env)
+    s3 = s3_env_of(spec, artifact, mounted, compiled, current.template_annotations)
     if init is not None and group is not None:
         init["args"] += group.loader_args()
         init["env"].append(group.env())
@@ -433,11 +466,8 @@ def template_patch(
                       and probe_current) if init else (have is None and GATE not in current.readiness_gates)
     loader_current = loader_current and harvest_current(compiled, current.init_containers.get(HARVEST_CONTAINER),
                                                          init["image"] if init else "")
-    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too. The
-    # loader holds it where it reads S3: the artifact, or (weights from the node cache) the compiled state.
-    loader_env = env if mounted is None or not compiled.s3_store else list(compiled.store_env)
-    loader_current = loader_current and env_current(current.envs.get(name, []), env) and (
-        init is None or env_current(current.envs.get(LOADER_CONTAINER, []), loader_env))
+    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too.
+    loader_current = loader_current and s3.current(current, name, init is not None, compiled.on)
     # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
     volume_current = (not current.weights_volume if mounted is None
                       else (current.weights_volume == "csi") == ("csi" in mounted[0]))
@@ -455,7 +485,7 @@ def template_patch(
     pod: dict[str, Any] = {"containers": [c]}
     if preferred != current.preferred_nodes:
         pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
-    _bring_weights(spec, artifact, pod, c, init, mounted, env, current.weights_volume, local)
+    _bring_weights(artifact, pod, c, init, mounted, current.weights_volume, local)
     if group is not None:
         c.setdefault("env", []).append(group.env())
     elif was_grouped:
@@ -488,4 +518,5 @@ def template_patch(
         annotations[SERVED_NAME_ANNOTATION] = served
     elif ferry_set is not None:
         annotations[SERVED_NAME_ANNOTATION] = None  # the user set their own: Ferry's is gone
+    _s3_env(s3, current, name, pod, c, init, annotations)
     return {"spec": {"template": {"metadata": {"annotations": annotations}, "spec": pod}}}
