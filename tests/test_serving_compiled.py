@@ -217,10 +217,16 @@ def test_the_status_names_a_tag_that_moved_between_pods():
     moved = status_after(m, current, [running("a", old), running("b", new)]).status.compiled_state
     assert "the tag moved" in moved.message and "aaaaaaaaaaaa, bbbbbbbbbbbb" in moved.message, moved.message
     assert "vllm/vllm-openai:v0.32.0@sha256:" in moved.message and moved.message.startswith("pod a: restored")
+    # A "new key" message kept from before keeps one copy of these words, not one more per pass.
+    kept = {"compiledState": {"key": moved.key, "inputs": moved.inputs, "message": f"new key: image changed, so "
+                              f"pods compile afresh until one keeps the new state; {moved.message}"}}
+    again = status_after(mw(status=kept), current, [running("a", old, message="ok; compiled state absent: x"),
+                                                    running("b", new, message="ok; compiled state absent: x")])
+    assert again.status.compiled_state.message.count("the pods run") == 1, again.status.compiled_state.message
     same = status_after(m, current, [running("a", old), running("b", old)]).status.compiled_state
     assert "tag moved" not in same.message
-    # The same bytes named two ways are one image; a pod of the template before (another image, a rollout
-    # under way) and a forged imageID do not count.
+    # A bare config id (an image loaded onto a node) is not a repository digest, so not compared; a pod of
+    # the template before (another image, a rollout under way) and a forged imageID do not count.
     spelled = status_after(m, current, [running("a", old), running("b", "sha256:" + "a" * 64)]).status
     assert "tag moved" not in spelled.compiled_state.message
     rolling = [running("a", old), running("b", new, image="vllm/vllm-openai:v0.31.0")]

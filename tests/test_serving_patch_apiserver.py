@@ -264,11 +264,12 @@ def test_compiled_state_moving_between_a_claim_and_s3_merges_cleanly(kube, names
 
 def test_ferrys_s3_env_follows_the_spec_and_leaves_the_users_own(kube, namespace):
     """Ferry's S3 env (endpoint, region, credentials by named key) in vLLM's container and the loader: a
-    region over the user's own entry of that name (a ConfigMap reference: Ferry's value replaces it, not
-    merged into one invalid entry), an endpoint removed from the spec (its entries go from both), the node
+    region and a credential over the user's own entries of those names (ConfigMap references: Ferry's
+    replace them, not merged into invalid entries), an endpoint removed from the spec (its entries go from both), the node
     cache turned on (vLLM keeps none of Ferry's), an artifact moved to a claim (none anywhere); every patch
     accepted and at rest, the user's other env untouched. A template Ferry wired before it recorded its
-    names (no annotation) is at rest as it is: no rollout on upgrade."""
+    names (no annotation) is at rest as it is: no rollout on upgrade; an entry of one of those names the user
+    adds once Ferry no longer writes it is hers."""
     from ferry_operator.serving.s3_env import S3_ENV_ANNOTATION
     name = "s3-env"
     kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
@@ -277,6 +278,8 @@ def test_ferrys_s3_env_follows_the_spec_and_leaves_the_users_own(kube, namespace
                     "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
                                              "args": ["--model", "m"], "env": [
                                                  {"name": "HF_HOME", "value": "/cache"},
+                                                 {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"configMapKeyRef": {
+                                                     "name": "aws", "key": "id"}}},
                                                  {"name": "AWS_DEFAULT_REGION", "valueFrom": {"configMapKeyRef": {
                                                      "name": "aws", "key": "region"}}}]}]}}}})
     s3 = Artifact(uri="s3://ferry-artifacts/llama/abc", format="runai_streamer", total_bytes=1 << 20,
@@ -301,6 +304,8 @@ def test_ferrys_s3_env_follows_the_spec_and_leaves_the_users_own(kube, namespace
 
     vllm, init = wire(s3, {"endpoint": "http://minio:9000", "region": "eu-1"})
     assert vllm["AWS_DEFAULT_REGION"] == {"name": "AWS_DEFAULT_REGION", "value": "eu-1"}
+    assert vllm["AWS_ACCESS_KEY_ID"]["valueFrom"] == {"secretKeyRef": {"name": "creds", "key": "AWS_ACCESS_KEY_ID",
+                                                                       "optional": False}}
     assert vllm["AWS_ENDPOINT_URL"]["value"] == init["AWS_ENDPOINT_URL"]["value"] == "http://minio:9000"
     vllm, init = wire(s3, {"region": "eu-1"})  # back to AWS's own endpoint
     assert "AWS_ENDPOINT_URL" not in vllm and "AWS_ENDPOINT_URL" not in init
@@ -319,3 +324,11 @@ def test_ferrys_s3_env_follows_the_spec_and_leaves_the_users_own(kube, namespace
     vllm, init = wire(claim, {"region": "eu-1"})
     assert not [n for n in vllm if n.startswith("AWS_")] and not [n for n in init if n.startswith("AWS_")]
     assert vllm["HF_HOME"] == {"name": "HF_HOME", "value": "/cache"}
+    # The user's own entry of such a name, added now, is hers: the template stays at rest.
+    kube.kubectl("patch", "deployment", name, "-n", namespace, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/template/spec/containers/0/env/-", "value": {"name": "AWS_ENDPOINT_URL",
+                                                                                 "value": "http://hers"}}]))
+    hers = deployment_facts(kube.get_json("deployment", name, "-n", namespace))
+    on_claim = parse(with_("storage.s3", {"uri": "s3://ferry-artifacts/llama", "credentialsSecretRef": {
+        "name": "creds"}, "region": "eu-1"}, RUNAI_S3)).spec
+    assert template_patch(on_claim, "llama", claim, "vllm", hers, loader) is None

@@ -561,7 +561,7 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
         message = f"new key: {what} changed, so pods compile afresh until one keeps the new state; {message}"
     elif before is not None and before.key == compiled.key and before.message.startswith("new key:") \
             and restored == 0:
-        message = before.message  # said until a pod of the new key restores
+        message = before.message.split(_MOVED, 1)[0]  # said until a pod of the new key restores
     moved = _moved_tag(current.images.get(name, ""), name, [p for p in observed.pods if p.digest == digest
                                                            and p.workload == target.key and not p.terminating])
     if moved:
@@ -574,7 +574,10 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
                                message=message[:1024])
 
 
-_IMAGE_DIGEST = re.compile(r"sha256:([0-9a-f]{64})$")  # the end of a pod's imageID: its bytes
+# A pod's imageID as a repository digest (what a registry pull reports): its bytes. A bare `sha256:` id is
+# the image's config id (an image loaded onto the node), not comparable with a repository digest.
+_IMAGE_DIGEST = re.compile(r"@sha256:([0-9a-f]{64})$")
+_MOVED = "; the pods run "  # how _moved_tag's words join the message (a kept message drops them)
 
 
 def _moved_tag(image: str, container: str, pods: list[PodFacts]) -> str:

@@ -57,14 +57,23 @@ def env_patch(have: list[dict[str, Any]], want: list[dict[str, Any]],
     held = _first_by_name(have)
     wanted = {e["name"] for e in want}
     out: list[dict[str, Any]] = [{"name": n, "$patch": "delete"} for n in sorted(set(owned) - wanted) if n in held]
-    for e in want:
-        out.append({**e, **{k: None for k in ("value", "valueFrom") if k in held.get(e["name"], {}) and k not in e}})
+    return out + [_replacing(held.get(e["name"], {}), e) for e in want]
+
+
+def _replacing(held: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """`want` as a merge patch over `held` that leaves exactly `want`: every key of held's (value,
+    valueFrom, and valueFrom's own: configMapKeyRef, fieldRef...) that want lacks is nulled; maps merge."""
+    if held == want or not held:
+        return want
+    out: dict[str, Any] = {**want, **{k: None for k in ("value", "valueFrom") if k in held and k not in want}}
+    if isinstance(held.get("valueFrom"), dict) and isinstance(want.get("valueFrom"), dict):
+        out["valueFrom"] = {**want["valueFrom"], **{k: None for k in held["valueFrom"] if k not in want["valueFrom"]}}
     return out
 
 
-def owned_names(annotation: str | None, fallback: list[dict[str, Any]]) -> frozenset[str]:
-    """The S3 env names Ferry wrote into the serving container: its annotation's, else (a template wired
-    before Ferry recorded them) `fallback`'s."""
+def owned_names(annotation: str | None, legacy: frozenset[str]) -> frozenset[str]:
+    """The S3 env names Ferry wrote into the serving container: its annotation's, else (a template Ferry
+    wired before it recorded them) `legacy`."""
     if annotation is None:
-        return frozenset(e["name"] for e in fallback)
+        return legacy
     return frozenset(n for n in annotation.split(",") if n in S3_ENV_NAMES)

@@ -66,9 +66,8 @@ def _merge_list(target: list[dict], patch: list[dict], merge_key: str) -> list[d
             raise UnsupportedPatch(f"list element without its merge key {merge_key!r}: {item!r}")
         at = next((i for i, t in enumerate(target) if t.get(merge_key) == item[merge_key]), None)
         directive = item.get(DIRECTIVE)
-        if directive == "delete":
-            if at is not None:
-                del target[at]
+        if directive == "delete":  # every element of that key, as the API server deletes them
+            target[:] = [t for t in target if t.get(merge_key) != item[merge_key]]
             continue
         if directive is not None:
             raise UnsupportedPatch(f"directive {directive!r} in a list merged by {merge_key!r}")

@@ -369,13 +369,24 @@ class S3Env:
 
 
 def s3_env_of(spec: ModelWeightsSpec, artifact: Artifact, mounted: Any, compiled: Any,
-              annotations: dict[str, str]) -> S3Env:
+              current: WorkloadFacts, name: str) -> S3Env:
     env = s3_env(spec) if mounted is None else []  # vLLM streams the artifact from S3
     store = list(compiled.store_env) if compiled.on and compiled.s3_store else []
-    # A template wired before Ferry recorded its names: those it wrote for an S3 artifact then.
-    legacy = s3_env(spec) if artifact.uri.startswith("s3://") else []
     return S3Env(vllm=env, loader=env or store, harvest=store,
-                 owned=owned_names(annotations.get(S3_ENV_ANNOTATION), legacy))
+                 owned=owned_names(current.template_annotations.get(S3_ENV_ANNOTATION), _legacy(spec, artifact,
+                                                                                                current, name)))
+
+
+def _legacy(spec: ModelWeightsSpec, artifact: Artifact, current: WorkloadFacts, name: str) -> frozenset[str]:
+    """The S3 env names Ferry wrote into the serving container of a template it wired before it recorded
+    them (its digest annotation, no ferry.dev/s3-env): those the loader holds too (it gave both the same
+    env), else, with no loader, the spec's for an S3 artifact; none in a template Ferry never wired."""
+    if DIGEST_ANNOTATION not in current.template_annotations:
+        return frozenset()
+    held = {e.get("name") for e in current.envs.get(name, []) if isinstance(e, dict)} & S3_ENV_NAMES
+    if LOADER_CONTAINER in current.envs:
+        return frozenset(held & {e.get("name") for e in current.envs[LOADER_CONTAINER] if isinstance(e, dict)})
+    return frozenset(held & {e["name"] for e in s3_env(spec)}) if artifact.uri.startswith("s3://") else frozenset()
 
 
 def _s3_env(s3: S3Env, current: WorkloadFacts, name: str, pod: dict[str, Any], c: dict[str, Any],
@@ -394,9 +405,8 @@ def _s3_env(s3: S3Env, current: WorkloadFacts, name: str, pod: dict[str, Any], c
                 current.envs.get(HARVEST_CONTAINER, []), s3.harvest, S3_ENV_NAMES)
             if not harvest["env"]:
                 del harvest["env"]
-    names = ",".join(sorted(e["name"] for e in s3.vllm))
-    if names or current.template_annotations.get(S3_ENV_ANNOTATION) is not None:
-        annotations[S3_ENV_ANNOTATION] = names or None
+    # Recorded in every patch ("" for none): what Ferry owns in vLLM's env from now on.
+    annotations[S3_ENV_ANNOTATION] = ",".join(sorted(e["name"] for e in s3.vllm))
 
 
 def template_patch(
@@ -451,7 +461,7 @@ def template_patch(
                              health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
-    s3 = s3_env_of(spec, artifact, mounted, compiled, current.template_annotations)
+    s3 = s3_env_of(spec, artifact, mounted, compiled, current, name)
     if init is not None and group is not None:
         init["args"] += group.loader_args()
         init["env"].append(group.env())
