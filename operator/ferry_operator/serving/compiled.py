@@ -161,7 +161,7 @@ def harvest_container(compiled: Compiled, image: str, pull_policy: str | None, s
                       store: str = STORE_VOLUME) -> dict[str, Any]:
     if compiled.s3_store:  # packs its tar in the scratch emptyDir, uploads it with the pod's S3 credentials
         mount = {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH}
-        env = [*compiled.store_env, {"name": "TMPDIR", "value": SCRATCH_PATH}]
+        env = [{"name": "TMPDIR", "value": SCRATCH_PATH}]  # its S3 credentials: wiring's S3Env
     else:
         mount, env = {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path}, []
     container: dict[str, Any] = {
@@ -245,10 +245,9 @@ def _wire_claim_store(compiled: Compiled, pod: dict[str, Any], init: dict[str, A
     harvest = harvest_container(compiled, init["image"], init.get("imagePullPolicy"), init["securityContext"], store)
     init["volumeMounts"] += [{"name": CACHE_VOLUME, "mountPath": CACHE_PATH},
                              {"name": store, "mountPath": STORE_PATH, "subPath": compiled.sub_path, "readOnly": True}]
-    if was_s3_store(have):  # from S3: the scratch volume, its mount and the S3 credentials go from the harvest
+    if was_s3_store(have):  # from S3: the scratch volume and its mount go (the S3 env: wiring's S3Env)
         harvest["volumeMounts"].append({"mountPath": SCRATCH_PATH, "$patch": "delete"})
-        harvest["env"] = [*harvest.get("env", []), *({"name": n, "$patch": "delete"}
-                                                      for n in sorted(S3_ENV_NAMES | {"TMPDIR"}))]
+        harvest["env"] = [*harvest.get("env", []), {"name": "TMPDIR", "$patch": "delete"}]
         pod.setdefault("volumes", []).append({"name": SCRATCH_VOLUME, "$patch": "delete"})
     pod["initContainers"] = [init, _ungrouped(compiled, harvest, have)]
 

@@ -57,8 +57,9 @@ class LoaderSettings:
     image_pull_policy: str | None = None
 
 
-def loader_container(settings: LoaderSettings, location: str, digest: str, mounts: list[dict[str, Any]],
-                     env: list[dict[str, Any]]) -> dict[str, Any]:
+def loader_container(settings: LoaderSettings, location: str, digest: str,
+                     mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loader init container (its S3 env, where it reads S3: wiring's S3Env)."""
     container: dict[str, Any] = {
         "name": LOADER_CONTAINER,
         "image": settings.image,
@@ -67,7 +68,7 @@ def loader_container(settings: LoaderSettings, location: str, digest: str, mount
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "FERRY_TOKEN_DIR", "value": TOKEN_DIR},
                 # The failure (which file) shows in `kubectl describe pod`.
-                {"name": "FERRY_RESULT_FILE", "value": "/dev/termination-log"}, *env],
+                {"name": "FERRY_RESULT_FILE", "value": "/dev/termination-log"}],
         "volumeMounts": [*mounts, {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

@@ -397,14 +397,12 @@ def _s3_env(s3: S3Env, current: WorkloadFacts, name: str, pod: dict[str, Any], c
     if vllm:
         c["env"] = [*vllm, *c.get("env", [])]
     if init is not None:
-        init["env"] = [e for e in init["env"] if e["name"] not in S3_ENV_NAMES] + env_patch(
-            current.envs.get(LOADER_CONTAINER, []), s3.loader, S3_ENV_NAMES)
+        init["env"] += env_patch(current.envs.get(LOADER_CONTAINER, []), s3.loader, S3_ENV_NAMES)
     for harvest in pod.get("initContainers") or []:
         if harvest.get("name") == HARVEST_CONTAINER and "$patch" not in harvest:
-            harvest["env"] = [e for e in harvest.get("env", []) if e["name"] not in S3_ENV_NAMES] + env_patch(
-                current.envs.get(HARVEST_CONTAINER, []), s3.harvest, S3_ENV_NAMES)
-            if not harvest["env"]:
-                del harvest["env"]
+            env = env_patch(current.envs.get(HARVEST_CONTAINER, []), s3.harvest, S3_ENV_NAMES)
+            if env:
+                harvest["env"] = [*env, *harvest.get("env", [])]
     # Recorded in every patch ("" for none): what Ferry owns in vLLM's env from now on.
     annotations[S3_ENV_ANNOTATION] = ",".join(sorted(e["name"] for e in s3.vllm))
 
@@ -447,8 +445,7 @@ def template_patch(
     was_grouped = GROUP_ANNOTATION in current.template_annotations
     new_command, new_args = shape.wire(served_from, flags, served, ours, group is not None or was_grouped)
     digest = artifact.manifest_digest or artifact.uri
-    env = s3_env(spec) if mounted is None else []
-    init = loader_container(loader, location, digest, [mounted[1]] if mounted else [], env) if gated else None
+    init = loader_container(loader, location, digest, [mounted[1]] if mounted else []) if gated else None
     if init is not None:
         fitted = fitted_resources(loader.resources, current.resources.get(name) or {})
         init.pop("resources", None)
