@@ -390,98 +390,125 @@ def _artifact_facts(mw: ModelWeights, steps: list[Step], artifact: ArtifactFacts
     )
 
 
+@dataclass
+class _Progress:
+    """What _serve gathers over the serving targets: the actions to take, the words for what it waits on,
+    and whether a rollout is held back (a warm-up Job, the node cache's fills)."""
+
+    actions: list = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    held: bool = False
+
+
 def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft, loader: LoaderSettings | None,
            keep_previous: int) -> Plan:
     """Wire each Deployment, follow its rollout and its pods' loaders; Ready once all serve the artifact."""
     status = draft.status
     targets = mw.spec.serving.workloads() if mw.spec.serving else []
     gated = bool(targets) and loader_applies(mw.spec, facts, loader)
-    actions: list = []
-    waiting: list[str] = []
-    held = False
+    progress = _Progress()
     cache = _node_cache(mw, observed, facts, draft)
     if isinstance(cache, Plan):
         return cache
     if cache is not None:
-        actions += cache.actions
-        waiting += cache.notes
-        held = bool(cache.refused)
+        progress.actions += cache.actions
+        progress.waiting += cache.notes
+        progress.held = bool(cache.refused)
     before = mw.status.compiled_state if mw.status else None
     warmed = list(before.warmed) if before is not None else []
     pending: set[str] = set()  # the keys a warm-up Job is run for now
     for target in targets:
-        current = observed.workloads.get(target.key)
-        if current is None:
-            waiting.append(f"{target.describe()} not found")
-            continue
-        owner = observed.owners.get(target.key, mw.metadata.name)
-        if owner != mw.metadata.name:
-            message = (f"{target.describe()} is wired by ModelWeights {owner}; remove it from {owner}'s "
-                       f"serving (or delete {owner}) and Ferry wires it for {mw.metadata.name}")
-            return draft.stalled("DeploymentClaimed", message, facts, ConditionType.SERVING_UPDATED)
-        try:
-            patch = _wire(mw, facts, target, current, loader, gated)
-        except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
-            return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
-        warming = _warm_up(mw, observed, target, current, patch, warmed)
-        if warming is not None:  # the wiring waits for the warm-up Job; the workload stays as it is
-            key, start, words = warming
-            pending.add(key)
-            actions += [start] if start is not None else []
-            waiting.append(words)
-            held = True
-            continue
-        held_back = patch is not None and cache is not None and cache.hold
-        roll = _rollout(mw, target, current, patch is not None and not held_back)
-        if held_back:
-            waiting.append(f"{target.describe()} waits: {cache.hold}")
-            held = True
-            if roll is not None:  # the last rollout's strategy goes back while the next one is held
-                actions.append(PatchWorkload(target.name, None, kind=target.kind, rollout=roll))
-        elif patch is not None:
-            actions.append(replace(patch, rollout=roll))
-            waiting.append(f"{target.describe()} patched")
-        elif roll is not None:
-            actions.append(PatchWorkload(target.name, None, kind=target.kind, rollout=roll))
-            waiting.append(roll.message)
-        elif not current.rolled_out or not _pods_caught_up(observed, target, current, facts):
-            waiting.append(f"{target.describe()} rolling out")
-    actions += [RemoveWarmUp(job.job) for key, job in (observed.warm_ups or {}).items()
-                if job.phase == "Running" and key not in pending]
+        stalled = _serve_target(mw, observed, facts, draft, target, loader, gated, cache, warmed, pending, progress)
+        if stalled is not None:
+            return stalled
+    progress.actions += [RemoveWarmUp(job.job) for key, job in (observed.warm_ups or {}).items()
+                         if job.phase == "Running" and key not in pending]
     status.compiled_state = _compiled_status(mw, observed, facts, targets, gated)
     if status.compiled_state is not None and warmed:
         status.compiled_state = status.compiled_state.model_copy(update={"warmed": warmed[-8:]})
     loading_only = False
     status.loaded = None
     if gated:
-        failed, loading = _loaded(mw, observed, facts, draft, actions)
+        failed, loading = _loaded(mw, observed, facts, draft, progress.actions)
         if failed is not None:
             return failed
         if loading is not None:
-            loading_only = not waiting  # every Deployment is wired and rolled out: only the loaders are at work
-            waiting.append(loading)
+            loading_only = not progress.waiting  # every Deployment is wired and rolled out: only loaders work
+            progress.waiting.append(loading)
     else:
         draft.conditions = [c for c in draft.conditions if c.type != ConditionType.WEIGHTS_LOADED.value]
+    return _serving_plan(mw, observed, facts, draft, targets, progress, loading_only, keep_previous)
+
+
+def _serve_target(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft, target: ServingTarget,
+                  loader: LoaderSettings | None, gated: bool, cache: CachePlan | None, warmed: list[str],
+                  pending: set[str], progress: _Progress) -> Plan | None:
+    """One serving target: wire it (or wait for its warm-up Job, or the node cache), follow its rollout.
+    A stalled plan when it cannot be wired at all."""
+    current = observed.workloads.get(target.key)
+    if current is None:
+        progress.waiting.append(f"{target.describe()} not found")
+        return None
+    owner = observed.owners.get(target.key, mw.metadata.name)
+    if owner != mw.metadata.name:
+        message = (f"{target.describe()} is wired by ModelWeights {owner}; remove it from {owner}'s "
+                   f"serving (or delete {owner}) and Ferry wires it for {mw.metadata.name}")
+        return draft.stalled("DeploymentClaimed", message, facts, ConditionType.SERVING_UPDATED)
+    try:
+        patch = _wire(mw, facts, target, current, loader, gated)
+    except ServingError as exc:  # ParallelismUnsupported among them, under its own reason
+        return draft.stalled(exc.reason, str(exc), facts, ConditionType.SERVING_UPDATED)
+    warming = _warm_up(mw, observed, target, current, patch, warmed)
+    if warming is not None:  # the wiring waits for the warm-up Job; the workload stays as it is
+        key, start, words = warming
+        pending.add(key)
+        progress.actions += [start] if start is not None else []
+        progress.waiting.append(words)
+        progress.held = True
+        return None
+    held_back = patch is not None and cache is not None and cache.hold
+    roll = _rollout(mw, target, current, patch is not None and not held_back)
+    if held_back:
+        progress.waiting.append(f"{target.describe()} waits: {cache.hold}")
+        progress.held = True
+        if roll is not None:  # the last rollout's strategy goes back while the next one is held
+            progress.actions.append(PatchWorkload(target.name, None, kind=target.kind, rollout=roll))
+    elif patch is not None:
+        progress.actions.append(replace(patch, rollout=roll))
+        progress.waiting.append(f"{target.describe()} patched")
+    elif roll is not None:
+        progress.actions.append(PatchWorkload(target.name, None, kind=target.kind, rollout=roll))
+        progress.waiting.append(roll.message)
+    elif not current.rolled_out or not _pods_caught_up(observed, target, current, facts):
+        progress.waiting.append(f"{target.describe()} rolling out")
+    return None
+
+
+def _serving_plan(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
+                  targets: list[ServingTarget], progress: _Progress, loading_only: bool, keep_previous: int) -> Plan:
+    """Ready when nothing is awaited; else in progress under the reason of what it waits on, or stalled by a
+    pod trouble that no action of this plan will clear."""
+    waiting, actions = progress.waiting, progress.actions
     found = _serving_trouble(observed, facts, targets) if waiting else None
     trouble = found[0] if found is not None else None
     if trouble is not None and trouble.stalls and not actions:
         return draft.stalled(trouble.reason, "; ".join([*waiting, trouble.message]), facts,
                              ConditionType.SERVING_UPDATED)
     draft.clear_stalled()
-    if waiting:
-        reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
-        if reason == "DeploymentNotFound" and not any(w.startswith("deployment ") and "not found" in w
-                                                      for w in waiting):
-            reason = "WorkloadNotFound"
-        if loading_only:
-            reason = "WeightsLoading"
-        if found is not None:
-            waiting.append(trouble.message + _surge_hint(mw, observed, *found))
-            reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
-        out = draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
-        out.held = held
-        return out
-    return _ready(mw, facts, draft, keep_previous, actions)
+    if not waiting:
+        return _ready(mw, facts, draft, keep_previous, actions)
+    reason = "DeploymentNotFound" if any("not found" in w for w in waiting) else "RollingOut"
+    if reason == "DeploymentNotFound" and not any(w.startswith("deployment ") and "not found" in w
+                                                  for w in waiting):
+        reason = "WorkloadNotFound"
+    if loading_only:
+        reason = "WeightsLoading"
+    if found is not None:
+        waiting.append(trouble.message + _surge_hint(mw, observed, *found))
+        reason = trouble.reason if trouble.reason in WAITING_REASONS else reason
+    out = draft.in_progress(reason, "; ".join(waiting), facts, actions, ConditionType.SERVING_UPDATED, reason)
+    out.held = progress.held
+    return out
 
 
 def _warm_up(mw: ModelWeights, observed: Observed, target: ServingTarget, current: WorkloadFacts,

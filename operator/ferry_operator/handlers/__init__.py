@@ -342,34 +342,8 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
     """Observe, plan, act; the status the planner computed and when to look
     again. `done` collects the actions taken (for Events), also when a later one fails."""
     assert EXECUTOR is not None
-    targets = mw.spec.serving.workloads() if mw.spec.serving else []
-    # The executor's own record of the last step's validated result: the only source of the artifact's
-    # size and MoE facts (a status write could forge them; they size fills and shape serving patches).
-    verified = EXECUTOR.artifact(mw, steps[-1]) if steps else None
-    recorded = recorded_artifact(mw, steps, EXECUTOR.artifact_uri(mw, steps[-1]) if steps else None, verified)
-    if recorded is not None:
-        # The status says which artifact is done once it records it: the steps are
-        # not observed again (their Jobs may have expired).
-        step_states = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
-    else:
-        step_states = {s.id: EXECUTOR.observe(mw, s) for s in steps}
-    workloads = {t.key: workload_api.read(APPS, CUSTOM, namespace, t, (workload_indexes or {}).get(t.kind))
-                 for t in targets}
-    observed = Observed(
-        steps=step_states,
-        artifact=recorded or verified,
-        workloads=workloads,
-        requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
-        pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
-        owners=workload_owners(mw, workloads, wiring_index),
-        fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
-        warm_ups=EXECUTOR.warm_ups(mw) if hasattr(EXECUTOR, "warm_ups") else None,
-        prewarm_nodes=prewarm_nodes(mw, nodes or {}),
-        cache_nodes=dict(node_labels or {}),
-        nodes=dict(nodes or {}),
-        node_agent=NODE_AGENT,
-        prewarm_labels=PREWARM_LABELS,
-    )
+    observed, recorded = _observe(mw, namespace, name, steps, workload_indexes, pod_index, wiring_index,
+                                  node_labels, nodes)
     result = plan(mw, observed, RETRIES, KEEP_PREVIOUS, LOADER)
     _observe_starts(observed.pods, result.status)
     # Held with nothing to do: each such reconcile in a row doubles the poll (an action starts it afresh).
@@ -378,7 +352,7 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
     WAKEUPS.reads_labels((namespace, name), frozenset({cache_label(digest), cache_evicted_label(digest)})
                          if digest else frozenset())
     for step in steps:
-        if step_states[step.id].phase == StepPhase.SUCCEEDED:
+        if observed.steps[step.id].phase == StepPhase.SUCCEEDED:
             metrics.step_succeeded(step.id, step.name, _format(mw))
     if recorded is None and result.status.artifact is not None and result.status.artifact.spec_digest:
         # Recorded from now on: the executor may let the steps' Jobs expire.
@@ -393,6 +367,42 @@ def _reconcile(mw: ModelWeights, namespace: str, name: str, uid: str, steps: lis
         if _act(mw, namespace, name, uid, action, going):
             done.append(action)
     return result.status, result.requeue_after
+
+
+def _observe(mw: ModelWeights, namespace: str, name: str, steps: list[Step], workload_indexes: dict[str, Any] | None,
+             pod_index: Any, wiring_index: Any, node_labels: dict[str, dict[str, str]] | None,
+             nodes: dict[str, NodeFacts] | None) -> tuple[Observed, Artifact | None]:
+    """What the planner sees of the object's world, and the artifact its status had recorded (None: not
+    yet, so its steps are observed)."""
+    assert EXECUTOR is not None
+    targets = mw.spec.serving.workloads() if mw.spec.serving else []
+    # The executor's own record of the last step's validated result: the only source of the artifact's
+    # size and MoE facts (a status write could forge them; they size fills and shape serving patches).
+    verified = EXECUTOR.artifact(mw, steps[-1]) if steps else None
+    recorded = recorded_artifact(mw, steps, EXECUTOR.artifact_uri(mw, steps[-1]) if steps else None, verified)
+    if recorded is not None:
+        # The status says which artifact is done once it records it: the steps are
+        # not observed again (their Jobs may have expired).
+        step_states = {s.id: StepState(StepPhase.SUCCEEDED) for s in steps}
+    else:
+        step_states = {s.id: EXECUTOR.observe(mw, s) for s in steps}
+    workloads = {t.key: workload_api.read(APPS, CUSTOM, namespace, t, (workload_indexes or {}).get(t.kind))
+                 for t in targets}
+    return Observed(
+        steps=step_states,
+        artifact=recorded or verified,
+        workloads=workloads,
+        requested_at=(mw.metadata.model_extra or {}).get("annotations", {}).get(REQUESTED_AT),
+        pods=list(pod_index.get((namespace, name), [])) if pod_index is not None else [],
+        owners=workload_owners(mw, workloads, wiring_index),
+        fills=EXECUTOR.fills(mw) if hasattr(EXECUTOR, "fills") else None,
+        warm_ups=EXECUTOR.warm_ups(mw) if hasattr(EXECUTOR, "warm_ups") else None,
+        prewarm_nodes=prewarm_nodes(mw, nodes or {}),
+        cache_nodes=dict(node_labels or {}),
+        nodes=dict(nodes or {}),
+        node_agent=NODE_AGENT,
+        prewarm_labels=PREWARM_LABELS,
+    ), recorded
 
 
 def _act(mw: ModelWeights, namespace: str, name: str, uid: str, action: Any, going: bool) -> bool:

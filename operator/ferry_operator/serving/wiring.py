@@ -407,16 +407,39 @@ def _s3_env(s3: S3Env, current: WorkloadFacts, name: str, pod: dict[str, Any], c
     annotations[S3_ENV_ANNOTATION] = ",".join(sorted(e["name"] for e in s3.vllm))
 
 
-def template_patch(
-    spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: WorkloadFacts,
-    loader: LoaderSettings | None = None, group: Group | None = None,
-) -> dict[str, Any] | None:
-    """The strategic-merge patch of the pod template (`{"spec": {"template": ...}}`) that wires `current`
-    to the artifact; None if already wired. `group`: its pods form serving groups (Group).
+@dataclass(frozen=True)
+class _Wiring:
+    """What template_patch decided for the serving container `name`: its command line as it is and as Ferry
+    wants it, the loader init container (None: ungated), the compiled state, the S3 env, and what the
+    template carried of an earlier wiring."""
 
-    Idempotent: a container this patch wired yields the same command, args and
-    annotations, so the workload rolls once per change, never per reconcile.
-    """
+    name: str
+    command: list[str]
+    args: list[str]
+    new_command: list[str]
+    new_args: list[str]
+    ferry_set: str | None  # the --served-model-name Ferry wrote before
+    served: str | None  # the one it writes now (None: the user's own)
+    mounted: tuple[dict, dict] | None
+    local: bool
+    digest: str
+    init: dict[str, Any] | None
+    compiled: Any
+    s3: S3Env
+    group: Group | None
+    was_grouped: bool
+    unprobed: bool  # in a group whose pods do not all serve HTTP: no readiness probe
+    probe_current: bool
+    preferred: list[dict[str, Any]]
+
+    @property
+    def argv(self) -> list[str]:
+        return self.new_command + self.new_args
+
+
+def _serving_container(spec: ModelWeightsSpec, artifact: Artifact, container: str | None,
+                       current: WorkloadFacts) -> tuple[str, list[str], list[str], Recognised]:
+    """The container Ferry wires (the named one, else the first), its command and args, and its shape."""
     if not current.containers:
         raise ServingError(f"deployment {current.name} has no containers")
     name = container or next(iter(current.containers))
@@ -432,6 +455,27 @@ def template_patch(
     refusal = parallelism_refusal(spec, artifact, shape)
     if refusal is not None:
         raise ParallelismUnsupported(f"deployment {current.name} container {name!r}: {refusal}")
+    return name, command, args, shape
+
+
+def _loader_init(loader: LoaderSettings, location: str, digest: str, mounted: tuple[dict, dict] | None,
+                 local: bool, serving_resources: dict[str, Any]) -> dict[str, Any]:
+    """Ferry's loader init container: requests fitted under the serving container's, and the copy to the
+    pod's local disk when serving.localCopy asks for one."""
+    init = loader_container(loader, location, digest, [mounted[1]] if mounted else [])
+    fitted = fitted_resources(loader.resources, serving_resources)
+    init.pop("resources", None)
+    if fitted:
+        init["resources"] = fitted
+    if local:
+        init["args"] += ["--copy-to", LOCAL_PATH]
+        init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
+    return init
+
+
+def _wiring(spec: ModelWeightsSpec, artifact: Artifact, container: str | None, current: WorkloadFacts,
+            loader: LoaderSettings | None, group: Group | None) -> _Wiring:
+    name, command, args, shape = _serving_container(spec, artifact, container, current)
     ferry_set = current.template_annotations.get(SERVED_NAME_ANNOTATION)
     ours = ferry_set is not None and shape.served_names == [ferry_set]
     served = None
@@ -440,90 +484,125 @@ def template_patch(
     gated = loader_applies(spec, artifact, loader)
     mounted, location = weights_source(spec, artifact)
     local = gated and mounted is not None and spec.serving.local_copy
-    served_from = LOCAL_PATH if local else location
     flags = ferry_flags(spec, artifact.uri) + (group.vllm_flags() if group else [])
     was_grouped = GROUP_ANNOTATION in current.template_annotations
-    new_command, new_args = shape.wire(served_from, flags, served, ours, group is not None or was_grouped)
+    new_command, new_args = shape.wire(LOCAL_PATH if local else location, flags, served, ours,
+                                       group is not None or was_grouped)
     digest = artifact.manifest_digest or artifact.uri
-    init = loader_container(loader, location, digest, [mounted[1]] if mounted else []) if gated else None
-    if init is not None:
-        fitted = fitted_resources(loader.resources, current.resources.get(name) or {})
-        init.pop("resources", None)
-        if fitted:
-            init["resources"] = fitted
-    if init is not None and local:
-        init["args"] += ["--copy-to", LOCAL_PATH]
-        init["volumeMounts"].append({"name": LOCAL_VOLUME, "mountPath": LOCAL_PATH})
-    compiled = plan_compiled(spec, artifact, current.images.get(name, ""), new_command + new_args, init is not None,
-                             health_probe(new_command + new_args)["httpGet"]["port"], current.envs.get(name, []), group)
+    init = (_loader_init(loader, location, digest, mounted, local, current.resources.get(name) or {})
+            if gated else None)
+    argv = new_command + new_args
+    compiled = plan_compiled(spec, artifact, current.images.get(name, ""), argv, init is not None,
+                             health_probe(argv)["httpGet"]["port"], current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
-    s3 = s3_env_of(spec, artifact, mounted, compiled, current, name)
     if init is not None and group is not None:
         init["args"] += group.loader_args()
         init["env"].append(group.env())
-    elif init is not None and GROUP_ANNOTATION in current.template_annotations:
+    elif init is not None and was_grouped:
         init["env"].append({"name": GROUP_INDEX_ENV, "$patch": "delete"})
     # In a group, only a template whose every pod serves HTTP is probed; a probe on one that does not
     # (Ferry's from before, or a copy of the leader's) would keep its pods unready for good.
     unprobed = group is not None and not group.probe
-    probe_current = (name not in current.probed) if unprobed else name in current.probed
-    have = current.init_containers.get(LOADER_CONTAINER)
-    loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
-                      and probe_current) if init else (have is None and GATE not in current.readiness_gates)
-    loader_current = loader_current and harvest_current(compiled, current.init_containers.get(HARVEST_CONTAINER),
-                                                         init["image"] if init else "")
-    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too.
-    loader_current = loader_current and s3.current(current, name, init is not None, compiled.on)
-    # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
-    volume_current = (not current.weights_volume if mounted is None
-                      else (current.weights_volume == "csi") == ("csi" in mounted[0]))
     cached = artifact.manifest_digest if mounted is not None and "csi" in mounted[0] else None
-    preferred = preferred_nodes(current.preferred_nodes, cached)
-    if (new_command == command and new_args == args and ferry_set == served and loader_current and volume_current
-            and preferred == current.preferred_nodes and current.template_annotations.get(DIGEST_ANNOTATION) == digest):
+    return _Wiring(
+        name=name, command=command, args=args, new_command=new_command, new_args=new_args, ferry_set=ferry_set,
+        served=served, mounted=mounted, local=local, digest=digest, init=init, compiled=compiled,
+        s3=s3_env_of(spec, artifact, mounted, compiled, current, name), group=group, was_grouped=was_grouped,
+        unprobed=unprobed, probe_current=(name not in current.probed) if unprobed else name in current.probed,
+        preferred=preferred_nodes(current.preferred_nodes, cached))
+
+
+def _at_rest(w: _Wiring, current: WorkloadFacts) -> bool:
+    """Whether the template already carries this wiring: nothing to patch, nothing to roll."""
+    have = current.init_containers.get(LOADER_CONTAINER)
+    init = w.init
+    loader_current = (have == {"image": init["image"], "args": init["args"]} and GATE in current.readiness_gates
+                      and w.probe_current) if init else (have is None and GATE not in current.readiness_gates)
+    # A changed S3 secret, endpoint or region is in the env Ferry gives the containers: that rolls too.
+    loader_current = (loader_current
+                      and harvest_current(w.compiled, current.init_containers.get(HARVEST_CONTAINER),
+                                          init["image"] if init else "")
+                      and w.s3.current(current, w.name, init is not None, w.compiled.on))
+    # Turning the node cache on or off swaps the volume's source under the same digest: that rolls too.
+    volume_current = (not current.weights_volume if w.mounted is None
+                      else (current.weights_volume == "csi") == ("csi" in w.mounted[0]))
+    return (w.new_command == w.command and w.new_args == w.args and w.ferry_set == w.served and loader_current
+            and volume_current and w.preferred == current.preferred_nodes
+            and current.template_annotations.get(DIGEST_ANNOTATION) == w.digest)
+
+
+def _wire_loader(w: _Wiring, current: WorkloadFacts, pod: dict[str, Any], c: dict[str, Any]) -> None:
+    """The loader init container, its readiness gate and token volume, and vLLM's readiness probe; or their
+    deletion where the template had them and this wiring is ungated."""
+    if w.init is not None:
+        pod["initContainers"] = [w.init]
+        pod["readinessGates"] = wired_gates(current.readiness_gates)
+        pod.setdefault("volumes", []).append(token_volume())
+        if not w.probe_current and not w.unprobed:
+            c["readinessProbe"] = health_probe(w.argv)
+    elif LOADER_CONTAINER in current.init_containers or GATE in current.readiness_gates:
+        pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]
+        pod["readinessGates"] = unwired_gates(current.readiness_gates)
+        pod.setdefault("volumes", []).append({"name": TOKEN_VOLUME, "$patch": "delete"})
+
+
+def _wire_tensorizer_key(spec: ModelWeightsSpec, pod: dict[str, Any], c: dict[str, Any]) -> None:
+    """The tensorizer encryption key, by its named key, read-only to vLLM."""
+    key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
+    if key is None or spec.format.type != FormatType.TENSORIZER.value:
+        return
+    pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {
+        "secretName": key.name, "defaultMode": 0o400, "items": [{"key": "key", "path": "key"}]}})
+    c.setdefault("volumeMounts", []).append({"name": TENSORIZER_KEY_VOLUME, "mountPath": TENSORIZER_KEY_DIR,
+                                             "readOnly": True})
+
+
+def _annotations(w: _Wiring, mw_name: str) -> dict[str, Any]:
+    annotations: dict[str, Any] = {DIGEST_ANNOTATION: w.digest, OWNER_ANNOTATION: mw_name}
+    if w.group is not None:
+        annotations[GROUP_ANNOTATION] = str(w.group.size)
+    elif w.was_grouped:
+        annotations[GROUP_ANNOTATION] = None
+    if w.served is not None:
+        annotations[SERVED_NAME_ANNOTATION] = w.served
+    elif w.ferry_set is not None:
+        annotations[SERVED_NAME_ANNOTATION] = None  # the user set their own: Ferry's is gone
+    return annotations
+
+
+def template_patch(
+    spec: ModelWeightsSpec, mw_name: str, artifact: Artifact, container: str | None, current: WorkloadFacts,
+    loader: LoaderSettings | None = None, group: Group | None = None,
+) -> dict[str, Any] | None:
+    """The strategic-merge patch of the pod template (`{"spec": {"template": ...}}`) that wires `current`
+    to the artifact; None if already wired. `group`: its pods form serving groups (Group).
+
+    Idempotent: a container this patch wired yields the same command, args and
+    annotations, so the workload rolls once per change, never per reconcile.
+    """
+    w = _wiring(spec, artifact, container, current, loader, group)
+    if _at_rest(w, current):
         return None
     # A container that fails leaves the tail of its log (vLLM's own error line)
     # as its termination message, which the operator quotes (serving/diagnosis.py).
     # Not part of what makes a template current: set whenever Ferry rewires.
-    c: dict[str, Any] = {"name": name, "args": new_args, "terminationMessagePolicy": "FallbackToLogsOnError"}
-    if new_command != command:
-        c["command"] = new_command
+    c: dict[str, Any] = {"name": w.name, "args": w.new_args, "terminationMessagePolicy": "FallbackToLogsOnError"}
+    if w.new_command != w.command:
+        c["command"] = w.new_command
     pod: dict[str, Any] = {"containers": [c]}
-    if preferred != current.preferred_nodes:
-        pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
-    _bring_weights(artifact, pod, c, init, mounted, current.weights_volume, local)
+    if w.preferred != current.preferred_nodes:
+        pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": w.preferred}}
+    _bring_weights(artifact, pod, c, w.init, w.mounted, current.weights_volume, w.local)
     if group is not None:
         c.setdefault("env", []).append(group.env())
-    elif was_grouped:
+    elif w.was_grouped:
         c.setdefault("env", []).append({"name": GROUP_INDEX_ENV, "$patch": "delete"})
-    if unprobed and name in current.probed:
+    if w.unprobed and w.name in current.probed:
         c["readinessProbe"] = None
-    key = spec.format.tensorizer.encryption_secret_ref if spec.format.tensorizer else None
-    if key is not None and spec.format.type == FormatType.TENSORIZER.value:
-        pod.setdefault("volumes", []).append({"name": TENSORIZER_KEY_VOLUME, "secret": {
-            "secretName": key.name, "defaultMode": 0o400, "items": [{"key": "key", "path": "key"}]}})
-        c.setdefault("volumeMounts", []).append({"name": TENSORIZER_KEY_VOLUME, "mountPath": TENSORIZER_KEY_DIR,
-                                                 "readOnly": True})
-    if init is not None:
-        pod["initContainers"] = [init]
-        pod["readinessGates"] = wired_gates(current.readiness_gates)
-        pod.setdefault("volumes", []).append(token_volume())
-        if not probe_current and not unprobed:
-            c["readinessProbe"] = health_probe(new_command + new_args)
-    elif have is not None or GATE in current.readiness_gates:
-        pod["initContainers"] = [{"name": LOADER_CONTAINER, "$patch": "delete"}]
-        pod["readinessGates"] = unwired_gates(current.readiness_gates)
-        pod.setdefault("volumes", []).append({"name": TOKEN_VOLUME, "$patch": "delete"})
-    wire_compiled(compiled, pod, c, init, current.init_containers.get(HARVEST_CONTAINER), VOLUME_NAME)
-    annotations: dict[str, Any] = {DIGEST_ANNOTATION: digest, OWNER_ANNOTATION: mw_name}
-    if group is not None:
-        annotations[GROUP_ANNOTATION] = str(group.size)
-    elif was_grouped:
-        annotations[GROUP_ANNOTATION] = None
-    if served is not None:
-        annotations[SERVED_NAME_ANNOTATION] = served
-    elif ferry_set is not None:
-        annotations[SERVED_NAME_ANNOTATION] = None  # the user set their own: Ferry's is gone
-    _s3_env(s3, current, name, pod, c, init, annotations)
+    _wire_tensorizer_key(spec, pod, c)
+    _wire_loader(w, current, pod, c)
+    wire_compiled(w.compiled, pod, c, w.init, current.init_containers.get(HARVEST_CONTAINER), VOLUME_NAME)
+    annotations = _annotations(w, mw_name)
+    _s3_env(w.s3, current, w.name, pod, c, w.init, annotations)
     return {"spec": {"template": {"metadata": {"annotations": annotations}, "spec": pod}}}
