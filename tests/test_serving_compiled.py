@@ -225,10 +225,16 @@ def test_the_status_names_a_tag_that_moved_between_pods():
     assert again.status.compiled_state.message.count("the pods run") == 1, again.status.compiled_state.message
     same = status_after(m, current, [running("a", old), running("b", old)]).status.compiled_state
     assert "tag moved" not in same.message
-    # A bare config id (an image loaded onto a node) is not a repository digest, so not compared; a pod of
-    # the template before (another image, a rollout under way) and a forged imageID do not count.
-    spelled = status_after(m, current, [running("a", old), running("b", "sha256:" + "a" * 64)]).status
+    # A bare config id (an image loaded onto a node) is compared with config ids only: a repository digest
+    # names the same bytes another way. A pod of the template before (another image, a rollout under way)
+    # and a forged imageID do not count.
+    spelled = status_after(m, current, [running("a", old), running("b", "sha256:" + "b" * 64)]).status
     assert "tag moved" not in spelled.compiled_state.message
+    loaded = [running("a", "sha256:" + "d" * 64), running("b", "sha256:" + "e" * 64), running("c", new)]
+    reloaded = status_after(m, current, loaded).status.compiled_state.message
+    assert "as 2 different images (dddddddddddd, eeeeeeeeeeee)" in reloaded, reloaded
+    twice = [running("a", "sha256:" + "d" * 64), running("b", "sha256:" + "d" * 64), running("c", new)]
+    assert "tag moved" not in status_after(m, current, twice).status.compiled_state.message
     rolling = [running("a", old), running("b", new, image="vllm/vllm-openai:v0.31.0")]
     assert "tag moved" not in status_after(m, current, rolling).status.compiled_state.message
     forged = [running("a", old), running("b", "sha256:\nnot-a-digest")]

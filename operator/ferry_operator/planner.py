@@ -601,25 +601,32 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
                                message=message[:1024])
 
 
-# A pod's imageID as a repository digest (what a registry pull reports): its bytes. A bare `sha256:` id is
-# the image's config id (an image loaded onto the node), not comparable with a repository digest.
-_IMAGE_DIGEST = re.compile(r"@sha256:([0-9a-f]{64})$")
+# A pod's imageID: a repository digest (`repo@sha256:…`, what a registry pull reports) or a bare config id
+# (`sha256:…`, an image loaded onto the node). Either names the bytes; the two forms of one image differ, so
+# each is compared only with its own kind.
+_IMAGE_DIGEST = re.compile(r"(?:(\S+)@)?sha256:([0-9a-f]{64})")
 _MOVED = "; the pods run "  # how _moved_tag's words join the message (a kept message drops them)
 
 
 def _moved_tag(image: str, container: str, pods: list[PodFacts]) -> str:
     """Words for pods of one template that run `image` (a reference by tag) as different bytes: its tag
-    moved between their pulls ("" if not). The key holds the reference, not the bytes, so such pods share
-    one entry; vLLM's own cache key (its code and compiler hashes) tells the bytes apart, so a pod on other
-    bytes compiles afresh and its harvest replaces the entry."""
+    moved between their pulls (or between the images loaded onto their nodes); "" if not. The key holds the
+    reference, not the bytes, so such pods share one entry; vLLM's own cache key (its code and compiler
+    hashes) tells the bytes apart, so a pod on other bytes compiles afresh and its harvest replaces the entry."""
     if not image or "@sha256:" in image:
         return ""
-    seen = sorted({found.group(1) for p in pods if dict(p.images).get(container) == image
-                   for c, i in p.image_ids if c == container and (found := _IMAGE_DIGEST.search(i))})
-    if len(seen) < 2:
+    seen: dict[bool, set[str]] = {}  # by form (a repository digest or not): the digests the pods report
+    for p in pods:
+        if dict(p.images).get(container) != image:
+            continue
+        for found in (_IMAGE_DIGEST.fullmatch(i) for c, i in p.image_ids if c == container):
+            if found is not None:
+                seen.setdefault(found.group(1) is not None, set()).add(found.group(2))
+    moved = sorted(max(seen.values(), key=len, default=set()))
+    if len(moved) < 2:
         return ""
-    shown = ", ".join(d[:12] for d in seen[:4])
-    return (f"the pods run {image} as {len(seen)} different images ({shown}): the tag moved; compiled state is "
+    shown = ", ".join(d[:12] for d in moved[:4])
+    return (f"the pods run {image} as {len(moved)} different images ({shown}): the tag moved; compiled state is "
             f"kept by image reference, vLLM's own key tells the bytes apart, and pods on other bytes compile "
             f"afresh; pin the image by digest ({image.split('@')[0]}@sha256:...) to key it by its bytes")
 

@@ -3,7 +3,8 @@ sidecar once it serves, and the next pod starts with them restored and verified 
 state is refused (the pod compiles; the next harvest replaces it); a changed command line makes a new key
 and the status names what changed; under BeforeRollout the next change is compiled by a warm-up Job first
 and the rolled pod starts warm; a warm-up Job the API server refuses (a quota) does not hold the rollout;
-another namespace cannot mount the store; an S3 artifact's state is kept in S3 beside it (also when the node
+another namespace cannot mount the store; a tag that moves between two pods' starts is named in the status;
+an S3 artifact's state is kept in S3 beside it (also when the node
 cache serves the weights) and deleted with it.
 
 Shares the module-scoped chart operator, S3 server and checkpoint of the node lane (tests/node/conftest.py),
@@ -15,9 +16,11 @@ pod instead of minutes. vLLM's own use of a restored cache is measured by bench/
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
+import localcluster
 from cluster_support import wait_for
 from ferry_operator.serving.weights_loaded import pod_facts
 from node_support import (NAMESPACE, claim_dir, condition, modelweights, mw_status, s3_secret, unique,
@@ -191,6 +194,35 @@ def test_compiled_state_is_kept_restored_refused_when_corrupt_and_rekeyed(node, 
         assert "not found" in found.get("message", ""), found
     finally:
         node.kubectl("delete", "namespace", other, "--wait=false")
+
+    moved_tag_is_named(node, name)
+
+
+def tag_on_node(source: str, tag: str) -> None:
+    """Point `tag` at the image `source` names in the node's containerd (as a registry's tag moves)."""
+    subprocess.run(["ctr", "--address", str(localcluster.node_paths().containerd_sock), "-n", "k8s.io", "images",
+                    "tag", "--force", source, tag], check=True, capture_output=True)
+
+
+def moved_tag_is_named(node, name: str) -> None:
+    """The Deployment runs a tag, which then moves to other bytes before its second replica starts: the
+    kubelet reports two imageIDs for the one reference, and the status names the move and the way out."""
+    built = localcluster.built_images()
+    moving = f"ferry.local/{name}:moving"
+    tag_on_node(built["busybox"]["ref"], moving)
+    node.kubectl("patch", "mw", name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(
+        {"spec": {"serving": {"compiledState": {"mode": "AfterFirstReady"}}}}))
+    node.kubectl("set", "image", f"deployment/{name}", f"vllm={moving}", "-n", NAMESPACE)
+    key = status_message(node, name, "image changed")["key"]
+    wait_for(lambda: (lambda p: p if key in next(c for c in p["spec"]["initContainers"] if c["name"] == "ferry-load")[
+        "args"] else None)(current_pod(node, name)), "the pod of the moving tag", 240)
+    tag_on_node(built["ferry"]["ref"], moving)  # other bytes, under the same name
+    node.kubectl("scale", f"deployment/{name}", "--replicas=2", "-n", NAMESPACE)
+    said = status_message(node, name, "the tag moved")["message"]
+    assert f"the pods run {moving} as 2 different images" in said and f"{moving}@sha256:" in said, said
+    ids = {dict(pod_facts(p).image_ids).get("vllm") for p in node.get_json(
+        "pods", "-n", NAMESPACE, "-l", f"app={name}")["items"]}
+    assert len(ids - {None}) == 2, ids
 
 
 def test_an_s3_artifacts_compiled_state_is_kept_in_s3_beside_it_and_deleted_with_it(node, chart_operator, node_s3,
