@@ -222,47 +222,57 @@ def _match(toks: list[Tok], i: int) -> _Match | None:
         raise ServingError(f"runs `vllm {nxt or ''}`".rstrip() + ", not `vllm serve`: Ferry wires vLLM's OpenAI "
                            "server (`vllm serve MODEL ...` or `python3 -m vllm.entrypoints.openai.api_server`)")
     if _PYTHON.fullmatch(base):
-        j = i + 1
-        while j < len(toks) and toks[j].value.startswith("-") and toks[j].value != "-m":
-            if toks[j].value == "-c":
-                return None  # python -c CODE
-            j += 2 if toks[j].value in _PY_OPTS_WITH_VALUE else 1
-        if j + 1 >= len(toks) or toks[j].value != "-m":
-            return None
-        module = toks[j + 1].value
-        if module in API_SERVER_MODULES:
-            return _Match("api_server", i, j + 2, f"`{base} -m {module}`")
-        if module == CLI_MODULE:
-            sub = toks[j + 2].value if j + 2 < len(toks) else ""
-            if sub == "serve":
-                return _Match("serve", i, j + 3, f"`{base} -m {module} serve`")
-            raise ServingError(f"runs `{base} -m {module} {sub}`".rstrip() + ", not `serve`: Ferry wires vLLM's "
-                               "OpenAI server")
-        if module == "vllm" or module.startswith("vllm."):
-            raise ServingError(f"runs `{base} -m {module}`, which Ferry does not know as vLLM's server: use "
-                               "`vllm serve MODEL ...` or `python3 -m vllm.entrypoints.openai.api_server --model ...`")
-        return None
+        return _python_match(toks, i, base)
     if base in SHELLS:
-        j, has_c = i + 1, False
-        while j < len(toks):
-            v = toks[j].value
-            if v == "--":
-                j += 1
-                break
-            if v in _SHELL_OPTS_WITH_VALUE:
-                j += 2
-                continue
-            if v.startswith("--"):
-                j += 1
-                continue
-            if re.fullmatch(r"[-+][A-Za-z]+", v):
-                has_c = has_c or (v[0] == "-" and "c" in v)
-                j += 1
-                continue
-            break
-        if has_c and j < len(toks):
-            return _Match("shell", i, j, f"`{base} -c` script")
+        return _shell_match(toks, i, base)
+    return None
+
+
+def _python_match(toks: list[Tok], i: int, base: str) -> _Match | None:
+    """toks[i] is a Python: whether it runs vLLM's server module (`-m`); raises for another vLLM module."""
+    j = i + 1
+    while j < len(toks) and toks[j].value.startswith("-") and toks[j].value != "-m":
+        if toks[j].value == "-c":
+            return None  # python -c CODE
+        j += 2 if toks[j].value in _PY_OPTS_WITH_VALUE else 1
+    if j + 1 >= len(toks) or toks[j].value != "-m":
         return None
+    module = toks[j + 1].value
+    if module in API_SERVER_MODULES:
+        return _Match("api_server", i, j + 2, f"`{base} -m {module}`")
+    if module == CLI_MODULE:
+        sub = toks[j + 2].value if j + 2 < len(toks) else ""
+        if sub == "serve":
+            return _Match("serve", i, j + 3, f"`{base} -m {module} serve`")
+        raise ServingError(f"runs `{base} -m {module} {sub}`".rstrip() + ", not `serve`: Ferry wires vLLM's "
+                           "OpenAI server")
+    if module == "vllm" or module.startswith("vllm."):
+        raise ServingError(f"runs `{base} -m {module}`, which Ferry does not know as vLLM's server: use "
+                           "`vllm serve MODEL ...` or `python3 -m vllm.entrypoints.openai.api_server --model ...`")
+    return None
+
+
+def _shell_match(toks: list[Tok], i: int, base: str) -> _Match | None:
+    """toks[i] is a shell: whether it runs a `-c` script, past its options."""
+    j, has_c = i + 1, False
+    while j < len(toks):
+        v = toks[j].value
+        if v == "--":
+            j += 1
+            break
+        if v in _SHELL_OPTS_WITH_VALUE:
+            j += 2
+            continue
+        if v.startswith("--"):
+            j += 1
+            continue
+        if re.fullmatch(r"[-+][A-Za-z]+", v):
+            has_c = has_c or (v[0] == "-" and "c" in v)
+            j += 1
+            continue
+        break
+    if has_c and j < len(toks):
+        return _Match("shell", i, j, f"`{base} -c` script")
     return None
 
 
@@ -497,71 +507,74 @@ def _lex(s: str) -> list[_Word | _Op]:
             out.append(_Op(op, i, i + len(op)))
             i += len(op)
             continue
-        start, value, literal = i, [], True
-        while i < n and s[i] not in " \t\n" and s[i] not in _OP_CHARS:
-            c = s[i]
-            if c == "\\":
-                if i + 1 >= n:
-                    raise _Unreadable("a trailing backslash")
-                if s[i + 1] != "\n":
-                    value.append(s[i + 1])
-                i += 2
-            elif c == "'":
-                j = s.find("'", i + 1)
-                if j < 0:
-                    raise _Unreadable("an unterminated ' quote")
-                value.append(s[i + 1:j])
-                i = j + 1
-            elif c == '"':
-                i += 1
-                while True:
-                    if i >= n:
-                        raise _Unreadable('an unterminated " quote')
-                    c = s[i]
-                    if c == '"':
-                        i += 1
-                        break
-                    if c == "\\" and i + 1 < n and s[i + 1] in '$`"\\\n':
-                        if s[i + 1] != "\n":
-                            value.append(s[i + 1])
-                        i += 2
-                    elif c in "$`":
-                        literal = False
-                        j = _skip_expansion(s, i)
-                        value.append(s[i:j])
-                        i = j
-                    else:
-                        value.append(c)
-                        i += 1
-            elif c in "$`":
-                literal = False
-                j = _skip_expansion(s, i)
-                value.append(s[i:j])
-                i = j
-            else:
-                if c in "*?[{~":
-                    literal = False  # glob, brace or tilde expansion
-                value.append(c)
-                i += 1
-        out.append(_Word(s[start:i], "".join(value), literal, start, i))
+        word = _word(s, i)
+        out.append(word)
+        i = word.end
     return out
 
 
-def _shell_shape(toks: list[Tok], found: _Match) -> Recognised:
-    script_tok = toks[found.start]
-    place = "command" if script_tok.origin == 0 else "args"
-    shape = f"{found.what} in {place}"
-    script = script_tok.value
-    fix = ("run vLLM directly (`command: [vllm, serve]`, `args: [MODEL, ...]`) or keep the script to plain "
-           "commands joined by `;`, `&&` or newlines, with one literal `vllm serve MODEL ...`")
-    try:
-        words = _lex(script)
-    except _Unreadable as exc:
-        raise ServingError(f"{shape}: Ferry cannot read the script ({exc}); {fix}") from None
-    if any(isinstance(w, _Op) and w.text.startswith("<<") for w in words):
-        raise ServingError(f"{shape}: the script has a here-document, which Ferry does not rewrite; {fix}")
+def _word(s: str, i: int) -> _Word:
+    """The shell word that starts at s[i]: its text, its value with the quotes removed, and whether it is
+    literal (no expansion, glob, brace or tilde)."""
+    n = len(s)
+    start, value, literal = i, [], True
+    while i < n and s[i] not in " \t\n" and s[i] not in _OP_CHARS:
+        c = s[i]
+        if c == "\\":
+            if i + 1 >= n:
+                raise _Unreadable("a trailing backslash")
+            if s[i + 1] != "\n":
+                value.append(s[i + 1])
+            i += 2
+        elif c == "'":
+            j = s.find("'", i + 1)
+            if j < 0:
+                raise _Unreadable("an unterminated ' quote")
+            value.append(s[i + 1:j])
+            i = j + 1
+        elif c == '"':
+            i, expands = _double_quoted(s, i + 1, value)
+            literal = literal and not expands
+        elif c in "$`":
+            literal = False
+            j = _skip_expansion(s, i)
+            value.append(s[i:j])
+            i = j
+        else:
+            if c in "*?[{~":
+                literal = False  # glob, brace or tilde expansion
+            value.append(c)
+            i += 1
+    return _Word(s[start:i], "".join(value), literal, start, i)
 
-    # Flat commands between ;, newlines and &&; each may hold other operators.
+
+def _double_quoted(s: str, i: int, value: list[str]) -> tuple[int, bool]:
+    """The inside of a double-quoted string from s[i] (after its opening quote), appended to `value`: the
+    index after the closing quote, and whether it holds an expansion."""
+    n, expands = len(s), False
+    while True:
+        if i >= n:
+            raise _Unreadable('an unterminated " quote')
+        c = s[i]
+        if c == '"':
+            return i + 1, expands
+        if c == "\\" and i + 1 < n and s[i + 1] in '$`"\\\n':
+            if s[i + 1] != "\n":
+                value.append(s[i + 1])
+            i += 2
+        elif c in "$`":
+            expands = True
+            j = _skip_expansion(s, i)
+            value.append(s[i:j])
+            i = j
+        else:
+            value.append(c)
+            i += 1
+
+
+def _launches(words: list[_Word | _Op], shape: str, fix: str) -> list[tuple]:
+    """Each simple command of a script that launches vLLM: (its flat command between `;`, newlines and `&&`,
+    its words, its tokens, the launcher found). A compound command is refused."""
     segments: list[list[_Word | _Op]] = [[]]
     for w in words:
         if isinstance(w, _Op) and w.text in _SEPARATORS:
@@ -569,7 +582,7 @@ def _shell_shape(toks: list[Tok], found: _Match) -> Recognised:
         else:
             segments[-1].append(w)
     candidates = []
-    for seg in segments:
+    for seg in segments:  # a flat command may hold other operators: a pipeline, redirections
         simple: list[list[_Word]] = [[]]
         for w in seg:
             if isinstance(w, _Op):
@@ -589,6 +602,24 @@ def _shell_shape(toks: list[Tok], found: _Match) -> Recognised:
                 raise ServingError(f"{shape}: the script {exc}") from None
             if m is not None:
                 candidates.append((seg, cmd, ctoks, m))
+    return candidates
+
+
+def _shell_shape(toks: list[Tok], found: _Match) -> Recognised:
+    script_tok = toks[found.start]
+    place = "command" if script_tok.origin == 0 else "args"
+    shape = f"{found.what} in {place}"
+    script = script_tok.value
+    fix = ("run vLLM directly (`command: [vllm, serve]`, `args: [MODEL, ...]`) or keep the script to plain "
+           "commands joined by `;`, `&&` or newlines, with one literal `vllm serve MODEL ...`")
+    try:
+        words = _lex(script)
+    except _Unreadable as exc:
+        raise ServingError(f"{shape}: Ferry cannot read the script ({exc}); {fix}") from None
+    if any(isinstance(w, _Op) and w.text.startswith("<<") for w in words):
+        raise ServingError(f"{shape}: the script has a here-document, which Ferry does not rewrite; {fix}")
+
+    candidates = _launches(words, shape, fix)
     if not candidates:
         raise ServingError(f"{shape}: Ferry finds no literal `vllm serve` or "
                            f"`python3 -m vllm.entrypoints.openai.api_server` command in the script; {fix}")
