@@ -537,9 +537,7 @@ def _word(s: str, i: int) -> _Word:
             literal = literal and not expands
         elif c in "$`":
             literal = False
-            j = _skip_expansion(s, i)
-            value.append(s[i:j])
-            i = j
+            i = _expansion(s, i, value)
         else:
             if c in "*?[{~":
                 literal = False  # glob, brace or tilde expansion
@@ -564,12 +562,17 @@ def _double_quoted(s: str, i: int, value: list[str]) -> tuple[int, bool]:
             i += 2
         elif c in "$`":
             expands = True
-            j = _skip_expansion(s, i)
-            value.append(s[i:j])
-            i = j
+            i = _expansion(s, i, value)
         else:
             value.append(c)
             i += 1
+
+
+def _expansion(s: str, i: int, value: list[str]) -> int:
+    """The expansion (`$…`, a backquoted command) at s[i], kept as written in `value`: the index after it."""
+    j = _skip_expansion(s, i)
+    value.append(s[i:j])
+    return j
 
 
 def _launches(words: list[_Word | _Op], shape: str, fix: str) -> list[tuple]:
