@@ -16,16 +16,7 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
                                   description="One verified copy per artifact (manifest digest) under --root.")
     cache.add_argument("--root", type=Path, default=Path("/var/lib/ferry/cache"),
                        help="the cache directory on node-local disk (default: the chart's, /var/lib/ferry/cache)")
-    cache.add_argument("--high", type=size_or_share, default="90%", metavar="SIZE|N%",
-                       help="high watermark: a fill that would pass it evicts first, or is refused (default: "
-                            "90%% of the filesystem)")
-    cache.add_argument("--low", type=size_or_share, default="80%", metavar="SIZE|N%",
-                       help="low watermark: eviction frees down to it (default: 80%% of the filesystem)")
-    cache.add_argument("--eviction-hard", type=size_or_share, default="10%", metavar="SIZE|N%",
-                       help="the kubelet's evictionHard nodefs.available on this disk: the cache keeps that "
-                            "much free, plus --margin, whatever the watermarks (default: 10%%, the kubelet's)")
-    cache.add_argument("--margin", type=size_or_share, default="2%", metavar="SIZE|N%",
-                       help="free disk kept above --eviction-hard, for the other writers on it (default: 2%%)")
+    _limit_options(cache)
     actions = cache.add_subparsers(dest="action", required=True)
     fill = actions.add_parser("fill", help="fill (or find) the entry of an artifact, verified block by block")
     fill_slot = actions.add_parser("fill-slot", help="(in a fill pod) copy an artifact into the slot the "
@@ -49,6 +40,26 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
     evict.add_argument("--ranks", type=_ranks, metavar="N,N,...")
     agent = actions.add_parser("agent", help="the node agent: the CSI driver cache.ferry.dev, registered "
                                              "with this node's kubelet")
+    _agent_options(agent)
+    cache.set_defaults(run=_cache)
+
+
+def _limit_options(cache: argparse.ArgumentParser) -> None:
+    """The watermarks and the free disk the cache keeps, for every action."""
+    cache.add_argument("--high", type=size_or_share, default="90%", metavar="SIZE|N%",
+                       help="high watermark: a fill that would pass it evicts first, or is refused (default: "
+                            "90%% of the filesystem)")
+    cache.add_argument("--low", type=size_or_share, default="80%", metavar="SIZE|N%",
+                       help="low watermark: eviction frees down to it (default: 80%% of the filesystem)")
+    cache.add_argument("--eviction-hard", type=size_or_share, default="10%", metavar="SIZE|N%",
+                       help="the kubelet's evictionHard nodefs.available on this disk: the cache keeps that "
+                            "much free, plus --margin, whatever the watermarks (default: 10%%, the kubelet's)")
+    cache.add_argument("--margin", type=size_or_share, default="2%", metavar="SIZE|N%",
+                       help="free disk kept above --eviction-hard, for the other writers on it (default: 2%%)")
+
+
+def _agent_options(agent: argparse.ArgumentParser) -> None:
+    """The node agent's own options."""
     agent.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet"),
                        help="the kubelet's root directory, mounted at the same path (Bidirectional)")
     agent.add_argument("--node-name", required=True, help="this node's name (the pod's spec.nodeName)")
@@ -68,7 +79,6 @@ def add_cache_commands(subparsers: argparse._SubParsersAction) -> None:
     agent.add_argument("--scrub-every", type=float, default=86400.0, metavar="SECONDS",
                        help="read every byte of each entry not verified for this long again, one at a time: "
                             "a corrupt one is removed (0: never; default 86400)")
-    cache.set_defaults(run=_cache)
 
 
 def size_or_share(text: str):

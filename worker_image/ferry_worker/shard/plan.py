@@ -210,22 +210,7 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     if pp > 1 and not vllm.supports_pipeline_parallel:
         raise ShardError(f"vLLM {vllm} names sharded_state files by tensor-parallel rank only, so the "
                          f"{pp} pipeline stages of a rank would collide; pipeline parallelism needs vLLM >= 0.32")
-    try:
-        family = family_for(list(config.get("architectures") or []))
-    except ValueError as e:
-        raise ShardError(str(e)) from None
-    refused = [key for key in family.refused_config_keys if config.get(key)]
-    if refused:
-        raise ShardError(f"config.json sets {', '.join(refused)}: vLLM builds modules for it that "
-                         f"ferry shard has no layout for")
-    quant = quantization(config)
-    if quant is not None:
-        if not vllm.fp8_block_layout_known:
-            raise ShardError(f"quantized layouts are checked against vLLM 0.32 onwards; vLLM {vllm} is "
-                             f"older, so no artifact is written")
-        family = _with_quantized_params(family, quant)
-        if isinstance(quant, intpack.IntPacked):
-            quant = quant.with_checkpoint_modules({name: spec.dtype for name, spec in tensors.items()})
+    family, quant = _family_and_quantization(config, tensors, vllm)
     dims = ModelDims.from_config(family, config)
     layers = _Layers(family, config, dims, quant)
     flags = {name: flag.value(config) for name, flag in family.flags.items()}
@@ -233,18 +218,7 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
     dims.check_tensor_parallel(tp, dense_mlp=layers.any(Mlp.DENSE))
     if moe.gpu in family.refused_targets:
         raise ShardError(f"{family.name}: {family.refused_targets[moe.gpu]}")
-    refine = None
-    if family.is_moe:
-        check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
-                  expert_groups=int(config.get("n_group") or 1))
-        quantized_experts = any(layers.quantized(p, i) for p in family.layer_params if p.experts
-                                for i in range(dims.layers) if layers.holds(p, i, flags))
-        if isinstance(quant, fp8.BlockFp8) and quantized_experts:
-            refine = fp8.check_moe_blocks(dims, tp, moe, quant)
-        if isinstance(quant, intpack.IntPacked) and quantized_experts:
-            intpack.check_marlin_experts(quant, dims.hidden)
-    elif moe.expert_parallel:
-        raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
+    refine = _check_experts(family, config, dims, layers, flags, tp, moe, quant)
     skipped = _skipped_tensors(family, dims, tensors, layers)
     _check_quantized_dtypes(family, dims, flags, tensors, layers, skipped)
     tied_copies = _check_sources(family, dims, flags, tensors, layers, skipped)
@@ -264,6 +238,49 @@ def plan_shards(config: dict, tensors: Mapping[str, TensorSpec], *, tp: int, pp:
 
 
 Quantization = Union[fp8.BlockFp8, fp8.TensorFp8, wna16.PackQuantized, intpack.IntPacked, w8a8.W8A8]
+
+
+def _family_and_quantization(config: dict, tensors: Mapping[str, TensorSpec],
+                             vllm: VllmTarget) -> tuple[Family, Quantization | None]:
+    """The model family config.json names (with its quantized parameters) and its quantization, or
+    ShardError for one ferry shard has no layout for."""
+    try:
+        family = family_for(list(config.get("architectures") or []))
+    except ValueError as e:
+        raise ShardError(str(e)) from None
+    refused = [key for key in family.refused_config_keys if config.get(key)]
+    if refused:
+        raise ShardError(f"config.json sets {', '.join(refused)}: vLLM builds modules for it that "
+                         f"ferry shard has no layout for")
+    quant = quantization(config)
+    if quant is not None:
+        if not vllm.fp8_block_layout_known:
+            raise ShardError(f"quantized layouts are checked against vLLM 0.32 onwards; vLLM {vllm} is "
+                             f"older, so no artifact is written")
+        family = _with_quantized_params(family, quant)
+        if isinstance(quant, intpack.IntPacked):
+            quant = quant.with_checkpoint_modules({name: spec.dtype for name, spec in tensors.items()})
+    return family, quant
+
+
+def _check_experts(family: Family, config: dict, dims: ModelDims, layers: _Layers, flags: dict, tp: int,
+                   moe: MoeTarget, quant: Quantization | None):
+    """A MoE model's expert cut checked (its FP8 scale grid refined where vLLM refines it: the refinement,
+    else None); expert parallelism refused for a dense one."""
+    if not family.is_moe:
+        if moe.expert_parallel:
+            raise ShardError(f"expert parallelism was asked for, but {family.name} has no experts")
+        return None
+    check_moe(dims, tp, moe, tp_at_most_experts=family.tp_at_most_experts,
+              expert_groups=int(config.get("n_group") or 1))
+    quantized_experts = any(layers.quantized(p, i) for p in family.layer_params if p.experts
+                            for i in range(dims.layers) if layers.holds(p, i, flags))
+    if isinstance(quant, intpack.IntPacked) and quantized_experts:
+        intpack.check_marlin_experts(quant, dims.hidden)
+    if isinstance(quant, fp8.BlockFp8) and quantized_experts:
+        return fp8.check_moe_blocks(dims, tp, moe, quant)
+    return None
+
 
 
 def quantization(config: dict) -> Quantization | None:
