@@ -393,11 +393,13 @@ def _artifact_facts(mw: ModelWeights, steps: list[Step], artifact: ArtifactFacts
 @dataclass
 class _Progress:
     """What _serve gathers over the serving targets: the actions to take, the words for what it waits on,
-    and whether a rollout is held back (a warm-up Job, the node cache's fills)."""
+    whether a rollout is held back (a warm-up Job, the node cache's fills), and the keys a warm-up Job is run
+    for now."""
 
     actions: list = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)
     held: bool = False
+    pending: set[str] = field(default_factory=set)
 
 
 def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft, loader: LoaderSettings | None,
@@ -416,13 +418,12 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         progress.held = bool(cache.refused)
     before = mw.status.compiled_state if mw.status else None
     warmed = list(before.warmed) if before is not None else []
-    pending: set[str] = set()  # the keys a warm-up Job is run for now
     for target in targets:
-        stalled = _serve_target(mw, observed, facts, draft, target, loader, gated, cache, warmed, pending, progress)
+        stalled = _serve_target(mw, observed, facts, draft, target, loader, gated, cache, warmed, progress)
         if stalled is not None:
             return stalled
     progress.actions += [RemoveWarmUp(job.job) for key, job in (observed.warm_ups or {}).items()
-                         if job.phase == "Running" and key not in pending]
+                         if job.phase == "Running" and key not in progress.pending]
     status.compiled_state = _compiled_status(mw, observed, facts, targets, gated)
     if status.compiled_state is not None and warmed:
         status.compiled_state = status.compiled_state.model_copy(update={"warmed": warmed[-8:]})
@@ -442,7 +443,7 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
 
 def _serve_target(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft, target: ServingTarget,
                   loader: LoaderSettings | None, gated: bool, cache: CachePlan | None, warmed: list[str],
-                  pending: set[str], progress: _Progress) -> Plan | None:
+                  progress: _Progress) -> Plan | None:
     """One serving target: wire it (or wait for its warm-up Job, or the node cache), follow its rollout.
     A stalled plan when it cannot be wired at all."""
     current = observed.workloads.get(target.key)
@@ -461,7 +462,7 @@ def _serve_target(mw: ModelWeights, observed: Observed, facts: Artifact, draft: 
     warming = _warm_up(mw, observed, target, current, patch, warmed)
     if warming is not None:  # the wiring waits for the warm-up Job; the workload stays as it is
         key, start, words = warming
-        pending.add(key)
+        progress.pending.add(key)
         progress.actions += [start] if start is not None else []
         progress.waiting.append(words)
         progress.held = True

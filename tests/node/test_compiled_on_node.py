@@ -12,6 +12,8 @@ and one ModelWeights for the claim's steps (another for S3's). The serving proce
 vLLM, as in test_serving_failures_on_node.py: it "compiles" (writes files under $VLLM_CACHE_ROOT) when it finds none
 and says WARM with what it found otherwise, so what vLLM would see is asserted, at the cost of seconds per
 pod instead of minutes. vLLM's own use of a restored cache is measured by bench/compile_cache_node.py.
+The moved-tag step imports no image: it points a tag of its own at the busybox and ferry images the node
+already holds (`ctr images tag`) and adds one replica.
 """
 from __future__ import annotations
 

@@ -496,11 +496,11 @@ def _wiring(spec: ModelWeightsSpec, artifact: Artifact, container: str | None, c
                              health_probe(argv)["httpGet"]["port"], current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
+    group_env = _group_env(group, was_grouped)
     if init is not None and group is not None:
         init["args"] += group.loader_args()
-        init["env"].append(group.env())
-    elif init is not None and was_grouped:
-        init["env"].append({"name": GROUP_INDEX_ENV, "$patch": "delete"})
+    if init is not None and group_env is not None:
+        init["env"].append(group_env)
     # In a group, only a template whose every pod serves HTTP is probed; a probe on one that does not
     # (Ferry's from before, or a copy of the leader's) would keep its pods unready for good.
     unprobed = group is not None and not group.probe
@@ -511,6 +511,14 @@ def _wiring(spec: ModelWeightsSpec, artifact: Artifact, container: str | None, c
         s3=s3_env_of(spec, artifact, mounted, compiled, current, name), group=group, was_grouped=was_grouped,
         unprobed=unprobed, probe_current=(name not in current.probed) if unprobed else name in current.probed,
         preferred=preferred_nodes(current.preferred_nodes, cached))
+
+
+def _group_env(group: Group | None, was_grouped: bool) -> dict[str, Any] | None:
+    """The group index env entry of the serving container and the loader: the group's, or its deletion from
+    a template that was grouped before."""
+    if group is not None:
+        return group.env()
+    return {"name": GROUP_INDEX_ENV, "$patch": "delete"} if was_grouped else None
 
 
 def _at_rest(w: _Wiring, current: WorkloadFacts) -> bool:
@@ -594,10 +602,9 @@ def template_patch(
     if w.preferred != current.preferred_nodes:
         pod["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": w.preferred}}
     _bring_weights(artifact, pod, c, w.init, w.mounted, current.weights_volume, w.local)
-    if group is not None:
-        c.setdefault("env", []).append(group.env())
-    elif w.was_grouped:
-        c.setdefault("env", []).append({"name": GROUP_INDEX_ENV, "$patch": "delete"})
+    group_env = _group_env(w.group, w.was_grouped)
+    if group_env is not None:
+        c.setdefault("env", []).append(group_env)
     if w.unprobed and w.name in current.probed:
         c["readinessProbe"] = None
     _wire_tensorizer_key(spec, pod, c)
