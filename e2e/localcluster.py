@@ -84,7 +84,8 @@ def write_scheduler_config(path: Path, kubeconfig_path: Path) -> Path:
 def write_audit_policy(path: Path) -> Path:
     """Audit only writes of ModelWeights status, and of pod status by service
     accounts (the serving pods' loaders; not the kubelet's), with their bodies;
-    and, without bodies, service accounts' writes of LeaderWorkerSets (the operator's wiring)."""
+    and, without bodies, service accounts' writes of LeaderWorkerSets (the operator's wiring)
+    and their reads of namespaces (a namespaced operator reads none)."""
     path.write_text(json.dumps({
         "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
         "rules": [{"level": "Request", "verbs": ["patch", "update"],
@@ -93,6 +94,8 @@ def write_audit_policy(path: Path) -> Path:
                    "resources": [{"group": "", "resources": ["pods/status"]}]},
                   {"level": "Metadata", "verbs": ["patch", "update"], "userGroups": ["system:serviceaccounts"],
                    "resources": [{"group": "leaderworkerset.x-k8s.io", "resources": ["leaderworkersets"]}]},
+                  {"level": "Metadata", "verbs": ["get", "list", "watch"], "userGroups": ["system:serviceaccounts"],
+                   "resources": [{"group": "", "resources": ["namespaces"]}]},
                   {"level": "None"}]}))
     return path
 

@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from .handlers import crds  # importing the package registers the handlers
 
     logging.basicConfig(level=os.environ.get("FERRY_LOG_LEVEL", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -59,7 +59,12 @@ def _run(args: argparse.Namespace) -> int:
         logging.getLogger("ferry_operator").error("%s", problem)
         print(f"ferry-operator: {problem}", file=sys.stderr)
         return 1
+    settings = kopf.OperatorSettings()
+    # Exact namespace names: nothing to follow, and listing namespaces is not granted (handlers/crds.py).
+    settings.scanning.disabled = bool(args.namespace)
     kopf.run(
+        settings=settings,
+        stop_flag=crds.STOP,
         standalone=args.standalone,
         clusterwide=not args.namespace,
         namespaces=args.namespace or [],

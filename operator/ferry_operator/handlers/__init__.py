@@ -56,6 +56,7 @@ from ..ownership import Wirer, owner_of
 from ..wakeups import sleep
 from ..serving.weights_loaded import PodFacts
 # Importing the submodules registers their kopf indexes and watch handlers.
+from . import crds
 from .indexes import WORKLOAD_INDEXES, IndexView, _cache_node_labels, _node_snapshot, _wired_keys
 from .status import _format, _newer, _parse_status, _report, _status_patch
 from .watches import REQUESTED_AT, WAKEUPS, _inputs
@@ -168,6 +169,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     CUSTOM = kubernetes.client.CustomObjectsApi()
     POLICIES = PolicyGuard(kubernetes.client.AdmissionregistrationV1Api(), policy_names())
     EXECUTOR = make_executor()
+    if settings.scanning.disabled:  # a namespaced operator (crds.py): which optional kinds it cannot watch
+        crds.note_missing(functools.partial(_read_crd, kubernetes.client.ApiextensionsV1Api()))
     if hasattr(EXECUTOR, "on_exit"):
         EXECUTOR.on_exit = WAKEUPS.wake_threadsafe  # a local worker's exit wakes its ModelWeights
     if os.environ.get("FERRY_METRICS_BIND"):
@@ -182,6 +185,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # cores keep a burst of new objects from queueing behind each other.
     POOL = ThreadPoolExecutor(threads, thread_name_prefix="reconcile")
     WRITERS = ThreadPoolExecutor(threads, thread_name_prefix="status")
+
+
+def _read_crd(api: Any, name: str) -> dict[str, Any] | None:
+    try:
+        return api.read_custom_resource_definition(name).to_dict()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 @kopf.on.event("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies")
