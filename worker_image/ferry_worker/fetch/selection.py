@@ -147,6 +147,15 @@ def needs_index(files: Iterable[Listed], ignore_patterns: Sequence[str] = ()) ->
     return any(f.path == SAFETENSORS_INDEX and not _ignored(f.path, ignore) for f in files)
 
 
+def _first_match(candidates: Sequence[F], patterns: Sequence[str]) -> tuple[list[F], str]:
+    """The files the first weight pattern that matches any selects, and that pattern ("" if none does)."""
+    for pattern in patterns:
+        weights = [f for f in candidates if glob_match(f.path, pattern)]
+        if weights:
+            return weights, pattern
+    return [], ""
+
+
 def select(
     files: Sequence[F],
     *,
@@ -160,13 +169,7 @@ def select(
     candidates = [f for f in files if not _ignored(f.path, ignore)]
     patterns = tuple(allow_patterns) or WEIGHT_PATTERNS
 
-    weights: list[F] = []
-    chosen = ""
-    for pattern in patterns:
-        weights = [f for f in candidates if glob_match(f.path, pattern)]
-        if weights:
-            chosen = pattern
-            break
+    weights, chosen = _first_match(candidates, patterns)
     use_safetensors = chosen.endswith(".safetensors")
 
     if use_safetensors:

@@ -178,10 +178,8 @@ def _scatter(artifact: Path, planned: PlannedFile, out_fd: int, offsets: dict[st
         _scatter_from(fd, artifact / planned.name, planned, out_fd, offsets, specs, coverage)
 
 
-def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, offsets: dict[str, int],
-                  specs: dict[str, TensorSpec], coverage: _Coverage) -> None:
-    header = validate_safetensors(fd, name=str(rank_file))
-    stored = {t.name: t for t in header.tensors}
+def _check_planned(header, planned: PlannedFile, rank_file: Path) -> None:
+    """The rank file holds exactly the tensors the plan names, with the plan's dtypes and shapes."""
     expected = {t.name: (t.dtype, t.shape) for t in planned.tensors}
     actual = {t.name: (t.dtype, t.shape) for t in header.tensors}
     if expected != actual:
@@ -189,6 +187,13 @@ def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, o
         raise IntegrityError(f"{rank_file.name}: tensors differ from the plan "
                              f"(only in file: {sorted(actual.keys() - expected.keys())}, "
                              f"only in plan: {sorted(expected.keys() - actual.keys())}, shape/dtype: {changed})")
+
+
+def _scatter_from(fd: int, rank_file: Path, planned: PlannedFile, out_fd: int, offsets: dict[str, int],
+                  specs: dict[str, TensorSpec], coverage: _Coverage) -> None:
+    header = validate_safetensors(fd, name=str(rank_file))
+    _check_planned(header, planned, rank_file)
+    stored = {t.name: t for t in header.tensors}
     buffers, other = BlockBuffers(), BlockBuffers()
     for tensor in planned.tensors:
         position = header.data_offset + stored[tensor.name].begin
