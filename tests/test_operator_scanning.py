@@ -1,7 +1,8 @@
-"""kopf's scanning off for a namespaced operator, and its one restart for an optional CRD installed later
-(operator/ferry_operator/handlers/crds.py), without a cluster: the CLI's settings and the restart decision.
-That the namespaced chart operator never asks for namespaces is checked on the real cluster, in the API
-server's audit log (tests/node/test_prepare_on_node.py). Shares nothing, starts nothing."""
+"""kopf's scanning off for a namespaced operator, and its new start when an optional CRD comes or goes
+(operator/ferry_operator/handlers/crds.py), without a cluster: the CLI's settings, names and new start, and
+the restart decision. On the real cluster: the namespaced chart operator never asks for namespaces (the API
+server's audit log, tests/node/test_prepare_on_node.py), and SIGTERM still stops an operator started with
+this stop flag (tests/test_operator_restart.py). Shares nothing, starts nothing."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,14 @@ ESTABLISHED = {"status": {"conditions": [{"type": "NamesAccepted", "status": "Tr
 NOT_YET = {"status": {"conditions": [{"type": "Established", "status": "False"}]}}
 
 
+@pytest.fixture(autouse=True)
+def fresh_state():
+    crds._at_start.clear()
+    yield
+    crds._at_start.clear()
+    crds._stop = None
+
+
 @pytest.fixture
 def kopf_run(monkeypatch):
     import kopf
@@ -29,6 +38,10 @@ def kopf_run(monkeypatch):
     return calls
 
 
+def event(body, type_=None):
+    asyncio.run(crds.optional_crd_changed(name=LWS_CRD, body=body, type=type_))
+
+
 @pytest.mark.parametrize("argv,scanning_off", [
     (["run", "--standalone", "--namespace", "ml", "--namespace", "research"], True),
     (["run", "--standalone", "--all-namespaces"], False),
@@ -38,22 +51,56 @@ def test_named_namespaces_turn_kopfs_scanning_off(kopf_run, argv, scanning_off):
     (kwargs,) = kopf_run
     assert kwargs["settings"].scanning.disabled is scanning_off
     assert kwargs["clusterwide"] is not scanning_off
-    assert kwargs["stop_flag"] is crds.STOP
+    assert isinstance(kwargs["stop_flag"], asyncio.Event) and not kwargs["stop_flag"].is_set()
+
+
+@pytest.mark.parametrize("pattern", ["ml-*", "!kube-system", "a,b", "ML"])
+def test_a_namespace_pattern_is_refused_naming_it(kopf_run, capsys, pattern):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--namespace", pattern])
+    assert f"{pattern!r} is not a namespace name" in capsys.readouterr().err
+    assert not kopf_run
+
+
+def test_a_stopped_run_starts_again_with_the_same_arguments(kopf_run, monkeypatch):
+    import kopf
+
+    execs = []
+    monkeypatch.setattr(kopf, "run", lambda stop_flag, **_: stop_flag.set())  # the handler below set it
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: execs.append(argv))
+    cli.main(["run", "--standalone", "--namespace", "ml"])
+    (argv,) = execs
+    assert argv[1:] == ["-m", "ferry_operator.cli", "run", "--standalone", "--namespace", "ml"]
 
 
 def test_a_crd_missing_at_start_stops_the_operator_once_it_is_established():
-    crds.STOP.clear()
-    assert crds.note_missing(lambda name: None) == {LWS_CRD}
-    assert not crds.restart_for(LWS_CRD, NOT_YET)
-    asyncio.run(crds.optional_crd_changed(name=LWS_CRD, body=NOT_YET))
-    assert not crds.STOP.is_set()
-    asyncio.run(crds.optional_crd_changed(name=LWS_CRD, body=ESTABLISHED))
-    assert crds.STOP.is_set()
-    crds.STOP.clear()
+    flag = crds.stop_flag()
+    assert crds.note_at_start(lambda name: None) == {LWS_CRD: False}
+    event(NOT_YET)
+    assert not flag.is_set()
+    event(ESTABLISHED)
+    assert flag.is_set() and crds.restart_asked()
 
 
-def test_a_crd_established_at_start_stops_nothing():
-    crds.STOP.clear()
-    assert crds.note_missing(lambda name: ESTABLISHED) == set()
-    asyncio.run(crds.optional_crd_changed(name=LWS_CRD, body=ESTABLISHED))
-    assert not crds.STOP.is_set()
+def test_a_crd_established_at_start_stops_the_operator_once_it_is_gone():
+    flag = crds.stop_flag()
+    assert crds.note_at_start(lambda name: ESTABLISHED) == {LWS_CRD: True}
+    event(ESTABLISHED)  # the watch's first listing
+    event(ESTABLISHED, "MODIFIED")
+    assert not flag.is_set()
+    event(ESTABLISHED, "DELETED")
+    assert flag.is_set()
+
+
+def test_a_crd_that_cannot_be_read_at_start_counts_as_missing():
+    def unreadable(name):
+        raise OSError("connection reset")
+    crds.stop_flag()
+    assert crds.note_at_start(unreadable) == {LWS_CRD: False}
+
+
+def test_watching_all_namespaces_nothing_stops():
+    flag = crds.stop_flag()  # note_at_start is never called with scanning on: kopf follows CRDs itself
+    event(ESTABLISHED)
+    event(ESTABLISHED, "DELETED")
+    assert not flag.is_set()

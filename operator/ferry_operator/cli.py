@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 import yaml
+
+NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -64,13 +67,24 @@ def _run(args: argparse.Namespace) -> int:
     settings.scanning.disabled = bool(args.namespace)
     kopf.run(
         settings=settings,
-        stop_flag=crds.STOP,
+        stop_flag=crds.stop_flag(),
         standalone=args.standalone,
         clusterwide=not args.namespace,
         namespaces=args.namespace or [],
         liveness_endpoint=args.liveness,
     )
+    if crds.restart_asked():  # an optional CRD came or went: start again, watching what is there
+        os.execv(sys.executable, [sys.executable, "-m", "ferry_operator.cli", *args.argv])
     return 0
+
+
+def _namespace(text: str) -> str:
+    """--namespace takes a namespace's exact name: kopf's patterns (ml-*, !kube-system) would need the
+    namespaces listed, which a namespaced operator may not do (handlers/crds.py)."""
+    if not NAMESPACE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a namespace name (a DNS label: lowercase letters, "
+                                         f"digits and '-'); list each watched namespace by its exact name")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run the operator (kopf)")
     p.add_argument("--standalone", action="store_true", help="no peering: the only operator instance")
-    p.add_argument("--namespace", action="append", help="watch this namespace (repeatable); default: all")
+    p.add_argument("--namespace", action="append", type=_namespace,
+                   help="watch this namespace, by its exact name (repeatable); default: all")
     p.add_argument("--all-namespaces", action="store_true", help="watch all namespaces (the default)")
     p.add_argument("--liveness", help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.set_defaults(func=_run)
@@ -89,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="+")
     p.set_defaults(func=_validate)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

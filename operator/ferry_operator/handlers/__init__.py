@@ -170,7 +170,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     POLICIES = PolicyGuard(kubernetes.client.AdmissionregistrationV1Api(), policy_names())
     EXECUTOR = make_executor()
     if settings.scanning.disabled:  # a namespaced operator (crds.py): which optional kinds it cannot watch
-        crds.note_missing(functools.partial(_read_crd, kubernetes.client.ApiextensionsV1Api()))
+        crds.note_at_start(functools.partial(_read_crd, kubernetes.client.ApiextensionsV1Api()))
     if hasattr(EXECUTOR, "on_exit"):
         EXECUTOR.on_exit = WAKEUPS.wake_threadsafe  # a local worker's exit wakes its ModelWeights
     if os.environ.get("FERRY_METRICS_BIND"):

@@ -1,4 +1,4 @@
-"""A namespaced operator does not scan the cluster, and restarts once for a CRD that appears later.
+"""A namespaced operator does not scan the cluster, and starts again when an optional CRD comes or goes.
 
 kopf follows namespaces and CRDs as they come and go by listing and watching them. A namespaced install may
 not list namespaces (charts/ferry/templates/rbac.yaml: nothing cluster-wide beyond a few reads), and kopf 1.45
@@ -6,18 +6,19 @@ retries a forbidden request 9 times (1+1+2+3+5+8+13+21 s) before it falls back t
 operator reconciled nothing for the first 54 s of every start (install, upgrade, eviction). With exact
 namespace names there is nothing to follow, so `ferry-operator run --namespace=...` turns kopf's scanning off
 (`settings.scanning.disabled`, kopf's documented restricted mode): it watches the namespaces as given from the
-first second, and never asks for namespaces (tests/node/conftest.py reads the audit log for that).
+first second, and never asks for namespaces (tests/node/test_prepare_on_node.py reads the audit log for that).
 
-What scanning off costs: a CRD installed after the start is not watched until the next start. Of the kinds
-Ferry watches, a cluster may install one later: LeaderWorkerSet's. So the operator records at startup which
-of them were missing, and when one is established it stops, and its Deployment starts it again, now watching
-it. Watching all namespaces, kopf follows CRDs itself and nothing here acts.
+What scanning off costs: kopf watches the kinds it found at the start, and no other, until the next start. Of
+the kinds Ferry watches, a cluster may install one later, or remove it: LeaderWorkerSet. So the operator
+records at startup whether its CRD was established, and when that changes it stops, and the CLI starts it
+again (cli.py), now watching what is there. Watching all namespaces, kopf follows CRDs itself and nothing here
+acts.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -25,11 +26,21 @@ import kopf
 from .indexes import LWS
 
 log = logging.getLogger("ferry_operator")
-# The CRDs of the kinds Ferry watches that a cluster may lack (it is told how to read them at startup).
+# The CRDs of the kinds Ferry watches that a cluster may lack.
 OPTIONAL_CRDS = frozenset({f"{LWS.plural}.{LWS.group}"})
-# Set to stop the operator (`kopf.run(stop_flag=...)`): the pod's restart makes kopf watch the new kind.
-STOP = threading.Event()
-_missing_at_start: set[str] = set()
+_at_start: dict[str, bool] = {}  # optional CRD -> established at startup (only with scanning off)
+_stop: asyncio.Event | None = None
+
+
+def stop_flag() -> asyncio.Event:
+    """A new flag for `kopf.run(stop_flag=...)`, for one run: set when an optional CRD came or went."""
+    global _stop
+    _stop = asyncio.Event()
+    return _stop
+
+
+def restart_asked() -> bool:
+    return _stop is not None and _stop.is_set()
 
 
 def established(crd: Mapping[str, Any] | None) -> bool:
@@ -37,25 +48,34 @@ def established(crd: Mapping[str, Any] | None) -> bool:
     return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
 
-def note_missing(read_crd) -> set[str]:
-    """At startup, with scanning off: which optional CRDs are not established, so not watched. `read_crd(name)`
-    returns the CRD as a dict, or None when it does not exist."""
-    _missing_at_start.clear()
-    _missing_at_start.update(name for name in OPTIONAL_CRDS if not established(read_crd(name)))
-    for name in sorted(_missing_at_start):
-        log.warning("CRD %s is not installed: its kind is not watched. Once it is, the operator restarts to "
-                    "watch it (a namespaced operator does not follow CRDs)", name)
-    return set(_missing_at_start)
+def note_at_start(read_crd: Callable[[str], Mapping[str, Any] | None]) -> dict[str, bool]:
+    """At startup, with scanning off: which optional CRDs are established, so watched. `read_crd(name)` returns
+    the CRD, or None when it does not exist; an error counts as missing (at worst, one start more)."""
+    _at_start.clear()
+    for name in sorted(OPTIONAL_CRDS):
+        try:
+            _at_start[name] = established(read_crd(name))
+        except Exception as exc:  # noqa: BLE001 - logged; the watch below corrects it
+            log.warning("CRD %s could not be read (%s): taken as not installed", name, exc)
+            _at_start[name] = False
+        if not _at_start[name]:
+            log.warning("CRD %s is not installed: its kind is not watched. Once it is, the operator starts again "
+                        "to watch it (a namespaced operator does not follow CRDs)", name)
+    return dict(_at_start)
 
 
-def restart_for(name: str, crd: Mapping[str, Any]) -> bool:
-    """Whether this CRD event asks for a restart: a CRD that was missing at startup is now established."""
-    return name in _missing_at_start and established(crd)
+def restart_for(name: str, crd: Mapping[str, Any], event_type: str | None) -> bool:
+    """Whether this CRD event asks for a new start: the CRD is now established where it was not at startup, or
+    the other way round (deleted, or no longer served)."""
+    if name not in _at_start:
+        return False  # scanning on: kopf follows it
+    return _at_start[name] != (event_type != "DELETED" and established(crd))
 
 
 @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                when=lambda name, **_: name in OPTIONAL_CRDS)
-async def optional_crd_changed(name: str, body: kopf.Body, **_: Any) -> None:
-    if restart_for(name, body):
-        log.warning("CRD %s is now established: stopping, so that the operator starts again watching it", name)
-        STOP.set()
+async def optional_crd_changed(name: str, body: kopf.Body, type: str | None, **_: Any) -> None:
+    if restart_for(name, body, type) and _stop is not None and not _stop.is_set():
+        log.warning("CRD %s was %s: stopping, to start again watching what is there", name,
+                    "removed" if _at_start[name] else "installed")
+        _stop.set()
