@@ -12,7 +12,8 @@ What scanning off costs: kopf watches the kinds it found at the start, and no ot
 the kinds Ferry watches, a cluster may install one later, or remove it: LeaderWorkerSet. So the operator
 records at startup whether its CRD was established, and when that changes it stops, and the CLI starts it
 again (cli.py), now watching what is there. Watching all namespaces, kopf follows CRDs itself and nothing here
-acts.
+acts. (A SIGTERM in the few seconds kopf takes to stop is kopf's, and lost: the new start then runs until the
+pod's grace period ends. The chart's Recreate strategy starts no second operator beside it.)
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from .indexes import LWS
 log = logging.getLogger("ferry_operator")
 # The CRDs of the kinds Ferry watches that a cluster may lack.
 OPTIONAL_CRDS = frozenset({f"{LWS.plural}.{LWS.group}"})
-_at_start: dict[str, bool] = {}  # optional CRD -> established at startup (only with scanning off)
+# Optional CRD -> established at startup (only with scanning off); None: unknown, the first event tells.
+_at_start: dict[str, bool | None] = {}
 _stop: asyncio.Event | None = None
 
 
@@ -48,16 +50,18 @@ def established(crd: Mapping[str, Any] | None) -> bool:
     return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
 
-def note_at_start(read_crd: Callable[[str], Mapping[str, Any] | None]) -> dict[str, bool]:
+def note_at_start(read_crd: Callable[[str], Mapping[str, Any] | None]) -> dict[str, bool | None]:
     """At startup, with scanning off: which optional CRDs are established, so watched. `read_crd(name)` returns
-    the CRD, or None when it does not exist; an error counts as missing (at worst, one start more)."""
+    the CRD, or None when it does not exist. One that cannot be read is unknown: the watch's first event says
+    what kopf found (a start that cannot read it would otherwise start again at once, and again)."""
     _at_start.clear()
     for name in sorted(OPTIONAL_CRDS):
         try:
             _at_start[name] = established(read_crd(name))
-        except Exception as exc:  # noqa: BLE001 - logged; the watch below corrects it
-            log.warning("CRD %s could not be read (%s): taken as not installed", name, exc)
-            _at_start[name] = False
+        except Exception as exc:  # noqa: BLE001 - logged; the watch's first event settles it
+            log.warning("CRD %s could not be read (%s): its first watch event says whether it is watched", name, exc)
+            _at_start[name] = None
+            continue
         if not _at_start[name]:
             log.warning("CRD %s is not installed: its kind is not watched. Once it is, the operator starts again "
                         "to watch it (a namespaced operator does not follow CRDs)", name)
@@ -69,7 +73,11 @@ def restart_for(name: str, crd: Mapping[str, Any], event_type: str | None) -> bo
     the other way round (deleted, or no longer served)."""
     if name not in _at_start:
         return False  # scanning on: kopf follows it
-    return _at_start[name] != (event_type != "DELETED" and established(crd))
+    now = event_type != "DELETED" and established(crd)
+    if _at_start[name] is None:  # unread at startup: kopf's scan, just before this watch, saw the same
+        _at_start[name] = now
+        return False
+    return _at_start[name] != now
 
 
 @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions",
