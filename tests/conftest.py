@@ -3,7 +3,6 @@
 started for the session and stopped at its end."""
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import subprocess
 import sys
@@ -112,19 +111,12 @@ def namespace(kube: Kube) -> str:
 
 
 @pytest.fixture(scope="session")
-def images(kube: Kube, request: pytest.FixtureRequest) -> dict[str, dict[str, str]]:
+def images(kube: Kube) -> dict[str, dict[str, str]]:
     """The images `make images` builds from this working tree (a Python-only
-    change rebuilds one layer in seconds), imported into the real node's containerd;
-    and, when a test of the session needs it, the vLLM image's import started beside them
-    (cluster_support.vllm_image_import)."""
+    change rebuilds one layer in seconds), imported into the real node's containerd."""
     built = localcluster.built_images()
     localcluster.import_images(localnode.Node(localcluster.node_paths()), built)
-    vllm = None
-    if any("vllm_image" in item.fixturenames for item in request.session.items):
-        vllm = cluster_support.vllm_image_import()
-    yield built
-    if vllm is not None:  # not while the node goes down (a session that ended early)
-        concurrent.futures.wait([vllm])
+    return built
 
 
 @pytest.fixture(scope="session")

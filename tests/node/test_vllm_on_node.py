@@ -21,12 +21,14 @@ import time
 
 import pytest
 
+import localcluster
+import localnode
 import vllm_pod
 from ferry_operator.serving.wiring import MOUNT_PATH
 from ferry_operator.serving.loader import LOCAL_PATH
 
 from checkpoints import write_checkpoint
-from cluster_support import vllm_image_import, wait_for
+from cluster_support import wait_for
 from node_support import NAMESPACE, condition, modelweights, mw_status, pods_of, s3_secret, unique, upload_dir
 from vllm_server import CASE, USER_MODEL, vllm_env
 from vllm_tokens import MAX_TOKENS, PROMPTS, ReferenceRun, assert_greedy_tokens_match
@@ -58,13 +60,13 @@ LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
 @pytest.fixture(scope="module")
 def vllm_image(node, images) -> str:
-    """The vllm-cpu image, built (or reused, by content hash) and imported into the node's containerd: the
-    import the `images` fixture started in the background (cluster_support.vllm_image_import)."""
+    """The vllm-cpu image, built (or reused, by content hash) and imported into the node's containerd."""
     started = time.monotonic()
-    built = vllm_image_import().result(timeout=FIXTURES_S)
-    print(f"vllm image {built['ref']} ready on the node after {time.monotonic() - started:.0f} s more "
-          f"({built['unpacked_bytes'] / 1e9:.1f} GB unpacked)")
-    return built["ref"]
+    built = localcluster.built_images("vllm")
+    localcluster.import_images(localnode.Node(localcluster.node_paths()), built, ("vllm",))
+    print(f"vllm image {built['vllm']['ref']} ready on the node in {time.monotonic() - started:.0f} s "
+          f"({built['vllm']['unpacked_bytes'] / 1e9:.1f} GB unpacked)")
+    return built["vllm"]["ref"]
 
 
 @pytest.fixture(autouse=True)
