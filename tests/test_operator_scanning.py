@@ -109,3 +109,15 @@ def test_watching_all_namespaces_nothing_stops():
     event(ESTABLISHED)
     event(ESTABLISHED, "DELETED")
     assert not flag.is_set()
+
+
+def test_the_reader_maps_a_missing_crd_to_none_and_raises_the_rest():
+    from kubernetes.client.exceptions import ApiException
+
+    class Api:
+        def read_custom_resource_definition(self, name):
+            raise ApiException(status=404 if name == LWS_CRD else 500)
+    read = crds.reader(Api())
+    assert read(LWS_CRD) is None
+    with pytest.raises(ApiException):
+        read("other")

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import yaml
 
-NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-
 
 def _crd(args: argparse.Namespace) -> int:
     from .api.crd import crd_yaml
@@ -81,7 +79,9 @@ def _run(args: argparse.Namespace) -> int:
 def _namespace(text: str) -> str:
     """--namespace takes a namespace's exact name: kopf's patterns (ml-*, !kube-system) would need the
     namespaces listed, which a namespaced operator may not do (handlers/crds.py)."""
-    if not NAMESPACE_NAME.fullmatch(text):
+    from .api.types import DNS1123_LABEL
+
+    if len(text) > 63 or not re.fullmatch(DNS1123_LABEL, text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a namespace name (a DNS label: lowercase letters, "
                                          f"digits and '-'); list each watched namespace by its exact name")
     return text

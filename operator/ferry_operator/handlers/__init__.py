@@ -170,7 +170,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     POLICIES = PolicyGuard(kubernetes.client.AdmissionregistrationV1Api(), policy_names())
     EXECUTOR = make_executor()
     if settings.scanning.disabled:  # a namespaced operator (crds.py): which optional kinds it cannot watch
-        crds.note_at_start(functools.partial(_read_crd, kubernetes.client.ApiextensionsV1Api()))
+        crds.note_at_start(crds.reader(kubernetes.client.ApiextensionsV1Api()))
     if hasattr(EXECUTOR, "on_exit"):
         EXECUTOR.on_exit = WAKEUPS.wake_threadsafe  # a local worker's exit wakes its ModelWeights
     if os.environ.get("FERRY_METRICS_BIND"):
@@ -185,15 +185,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # cores keep a burst of new objects from queueing behind each other.
     POOL = ThreadPoolExecutor(threads, thread_name_prefix="reconcile")
     WRITERS = ThreadPoolExecutor(threads, thread_name_prefix="status")
-
-
-def _read_crd(api: Any, name: str) -> dict[str, Any] | None:
-    try:
-        return api.read_custom_resource_definition(name).to_dict()
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
 
 
 @kopf.on.event("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies")

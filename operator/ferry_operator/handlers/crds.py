@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from .indexes import LWS
 
@@ -48,6 +49,18 @@ def restart_asked() -> bool:
 def established(crd: Mapping[str, Any] | None) -> bool:
     conditions = ((crd or {}).get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+
+def reader(api: Any) -> Callable[[str], dict[str, Any] | None]:
+    """`read_crd` for note_at_start, through an ApiextensionsV1Api: None for a CRD that does not exist."""
+    def read_crd(name: str) -> dict[str, Any] | None:
+        try:
+            return api.read_custom_resource_definition(name).to_dict()
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+    return read_crd
 
 
 def note_at_start(read_crd: Callable[[str], Mapping[str, Any] | None]) -> dict[str, bool | None]:
