@@ -11,7 +11,7 @@ least --size bytes of safetensors (random bytes, written by streaming) and its
 within each repetition, for rank --rank:
 
   (a)  `ferry load --artifact ART --ranks R --no-report` (per-rank prefetch,
-       sha256 of every byte), and (a') the same with `--verify size`;
+       every byte hashed: BLAKE3 blocks), and (a') the same with `--verify size`;
   (b)  `dd if=F of=/dev/null bs=16M` of the same files, one after another;
   (c)  vLLM's default path for the rank: every safetensors file of the
        ORIGINAL checkpoint, each tensor materialised, narrowed to the rank's
@@ -82,7 +82,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_paths  # noqa: E402
 from cache_state import drop_page_cache as _drop, read_through  # noqa: E402
 
-GENERATOR_VERSION = 1  # part of the data key: bump when the generated checkpoint changes
+# Part of the data key: bump when the generated checkpoint or artifact changes (2: BLAKE3 block digests).
+GENERATOR_VERSION = 2
 DATA_MARKER = "bench-data.json"  # written last into a complete dataset directory
 FILE_LIMIT = 2 << 30  # Hub checkpoints are split in files of a few GB
 WRITE_CHUNK = 16 << 20
@@ -92,7 +93,7 @@ DISK_BUDGET = 12 * 10**9
 ALL_CASES = ("a", "a_size", "b", "c", "c_lazy", "d", "e")
 DEFAULT_CASES = ("a", "a_size", "b", "c", "d", "e")
 LABELS = {
-    "a": "(a) `ferry load` per-rank prefetch (sha256)",
+    "a": "(a) `ferry load` per-rank prefetch (hashed)",
     "a_size": "(a') `ferry load --verify size`",
     "b": "(b) `dd bs=16M` of the same files, sequential",
     "c": "(c) vLLM default: original checkpoint, materialise + narrow",
@@ -378,7 +379,7 @@ def ratio(results: dict, top: str, bottom: str) -> dict | None:
 
 
 RATIOS = (  # (name, numerator seconds, denominator seconds, goal)
-    ("prefetch (sha256) vs dd: dd s / ferry load s", "b", "a", 0.9),
+    ("prefetch (hashed) vs dd: dd s / ferry load s", "b", "a", 0.9),
     ("prefetch (--verify size) vs dd: dd s / ferry load s", "b", "a_size", 0.9),
     ("vLLM default path vs sharded_state, per rank: (c) s / (d) s", "c", "d", 3.5),
     ("vLLM default path (lazy mmap) vs sharded_state: (c lazy) s / (d) s", "c_lazy", "d", None),
@@ -529,9 +530,10 @@ def main() -> int:
     return 0
 
 
+def drop_page_cache() -> None:
+    _drop("measure with --warm")
+
+
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def drop_page_cache() -> None:
-    _drop("measure with --warm")

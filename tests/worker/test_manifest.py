@@ -1,15 +1,19 @@
 """The manifest's two digest forms: a file entry records its whole sha256
-(fetched and copied files) or the sha256 of each block (`ferry shard`'s rank
-files, each byte hashed once). Every reader — `ferry verify`, `ferry load`,
-`ferry unshard`, `ferry publish` — accepts either, and both together (what the
-previous release wrote for rank files); an entry with neither is refused,
-naming the file."""
+(fetched and copied files) or the digest of each block (`ferry shard`'s rank
+files, each byte hashed once: BLAKE3 now, sha256 as earlier releases wrote
+them). Every reader — `ferry verify`, `ferry load`, `ferry unshard`, `ferry
+publish` — accepts either, and both together (what an earlier release wrote
+for rank files); an entry with neither is refused, naming the file.
+
+Shares one TP 2 cut of the tiny Llama checkpoint (module fixture); each test
+that damages it works on its own copy."""
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
 
+import blake3
 import pytest
 
 from checkpoints import LLAMA3, write_checkpoint
@@ -56,12 +60,21 @@ def rewrite(directory: Path, change) -> None:
     (directory / MANIFEST_NAME).write_text(json.dumps(body))
 
 
-def as_previous_release(directory: Path) -> None:
-    """Rank files with both forms, as the release before this one wrote them."""
-    def both(body: dict) -> None:
+def sha256_blocks(data: bytes) -> list[str]:
+    return [hashlib.sha256(data[i:i + m.BLOCK_SIZE]).hexdigest() for i in range(0, max(len(data), 1), m.BLOCK_SIZE)]
+
+
+def as_earlier_release(directory: Path, whole: bool = False) -> None:
+    """Rank files with sha256 blocks in a version 1 manifest, as releases before BLAKE3 wrote them (`whole`: with
+    each file's sha256 too, as the release before those did)."""
+    def sha256_forms(body: dict) -> None:
+        body["manifestVersion"] = 1
         for f in body["files"]:
-            f.setdefault("sha256", sha256_file(directory / f["path"]))
-    rewrite(directory, both)
+            if f.pop("blockHash", None):
+                f["blocks"] = sha256_blocks((directory / f["path"]).read_bytes())
+            if whole:
+                f.setdefault("sha256", sha256_file(directory / f["path"]))
+    rewrite(directory, sha256_forms)
 
 
 def flip_last_byte(path: Path) -> None:
@@ -74,20 +87,25 @@ def test_rank_files_record_block_digests_only_and_companions_their_sha256(sharde
     body = json.loads((sharded / MANIFEST_NAME).read_text())
     ranks = set(rank_files(sharded))
     assert body["blockSize"] == m.BLOCK_SIZE
+    assert body["manifestVersion"] == 2  # what a release that checks only sha256 blocks refuses by name
     for f in body["files"]:
         data = (sharded / f["path"]).read_bytes()
         if f["path"] in ranks:
-            assert "sha256" not in f, f["path"]
-            assert f["blocks"] == [hashlib.sha256(data[i:i + m.BLOCK_SIZE]).hexdigest()
+            assert "sha256" not in f and f["blockHash"] == "blake3", f["path"]
+            assert f["blocks"] == [blake3.blake3(data[i:i + m.BLOCK_SIZE]).hexdigest()
                                    for i in range(0, len(data), m.BLOCK_SIZE)]
         else:
             assert f["sha256"] == hashlib.sha256(data).hexdigest() and "blocks" not in f, f["path"]
+            assert "blockHash" not in f, f["path"]
     verify(sharded)
     load(LoadRequest(str(sharded)), Quiet())
 
 
-def test_a_manifest_with_both_forms_still_verifies_and_each_catches_damage(artifact: Path, tmp_path: Path):
-    as_previous_release(artifact)
+@pytest.mark.parametrize("whole", [False, True], ids=["sha256 blocks", "sha256 blocks and whole"])
+def test_an_earlier_releases_manifest_still_verifies_and_catches_damage(artifact: Path, tmp_path: Path,
+                                                                       whole: bool):
+    as_earlier_release(artifact, whole)
+    assert read_manifest(artifact).version == 1
     verify(artifact)
     load(LoadRequest(str(artifact)), Quiet())
     load(LoadRequest(str(artifact), copy_to=tmp_path / "copy"), Quiet())
@@ -96,8 +114,19 @@ def test_a_manifest_with_both_forms_still_verifies_and_each_catches_damage(artif
     flip_last_byte(victim)
     for check in (lambda: verify(artifact), lambda: load(LoadRequest(str(artifact)), Quiet()),
                   lambda: load(LoadRequest(str(artifact), copy_to=tmp_path / "copy2"), Quiet())):
-        with pytest.raises(IntegrityError, match=f"{victim.name}: block"):
+        with pytest.raises(IntegrityError, match=f"{victim.name}: block [0-9]+ .* has sha256 "):
             check()
+
+
+def test_a_damaged_blake3_block_is_named_by_every_reader(artifact: Path, tmp_path: Path):
+    victim = artifact / rank_files(artifact)[0]
+    flip_last_byte(victim)
+    for check in (lambda: verify(artifact), lambda: load(LoadRequest(str(artifact)), Quiet()),
+                  lambda: load(LoadRequest(str(artifact), copy_to=tmp_path / "copy"), Quiet()),
+                  lambda: unshard(artifact, tmp_path / "rebuilt")):
+        with pytest.raises(IntegrityError, match=f"{victim.name}: block [0-9]+ .* has blake3 [0-9a-f]{{64}}, "):
+            check()
+    assert not (tmp_path / "copy" / victim.name).exists()
 
 
 def test_a_rank_file_recorded_by_sha256_alone_is_checked_by_it(artifact: Path):
@@ -144,16 +173,28 @@ def test_an_entry_with_neither_digest_is_refused_naming_the_file(artifact: Path)
 
 
 def test_malformed_block_lists_are_refused_naming_the_file():
-    def parse(files: list[dict], block_size: object = m.BLOCK_SIZE) -> Manifest:
-        body = {"manifestVersion": m.MANIFEST_VERSION, "files": files, "blockSize": block_size}
+    def parse(files: list[dict], block_size: object = m.BLOCK_SIZE, version: int = m.MANIFEST_VERSION) -> Manifest:
+        body = {"manifestVersion": version, "files": files, "blockSize": block_size}
         return Manifest.from_json(json.dumps(body).encode())
 
     digest = hashlib.sha256(b"x").hexdigest()
     size = m.BLOCK_SIZE + 1  # two blocks
     with pytest.raises(IntegrityError, match=f"f: 1 block digests in the manifest for {size} bytes"):
         parse([{"path": "f", "size": size, "blocks": [digest]}])
-    with pytest.raises(IntegrityError, match="f: 'zz' in the manifest is not a sha256"):
+    with pytest.raises(IntegrityError, match="f: 'zz' in the manifest is not a digest"):
         parse([{"path": "f", "size": 1, "blocks": ["zz"]}])
+    # A block hash this release does not know is refused, with blocks or without (a whole-file sha256 beside it).
+    for name in ("md5", "BLAKE3", "", None, 3, True, [], {}, ["blake3"]):
+        for entry in ({"blocks": [digest]}, {"sha256": digest}, {"sha256": digest, "blocks": [digest]}):
+            with pytest.raises(IntegrityError, match=r"entry 'f': blockHash .* is none this release checks "
+                                                     r"\(sha256, blake3\)"):
+                parse([{"path": "f", "size": 1, **entry, "blockHash": name}], version=2)
+    blake3_entry = {"path": "f", "size": 1, "blocks": [digest], "blockHash": "blake3"}
+    assert parse([blake3_entry], version=2).files == [FileEntry("f", 1, blocks=(digest,), block_hash="blake3")]
+    with pytest.raises(IntegrityError, match="manifestVersion 1 with blake3 block digests, which only version 2"):
+        parse([blake3_entry], version=1)
+    # BLAKE3 blocks of another size next to a whole-file sha256: the sha256 checks the file, as for sha256 blocks.
+    assert parse([{**blake3_entry, "sha256": digest}], 4096, version=2).files == [FileEntry("f", 1, digest)]
     with pytest.raises(IntegrityError, match="f: only block digests in the manifest, of blockSize 4096"):
         parse([{"path": "f", "size": 1, "blocks": [digest]}], block_size=4096)
     # Blocks of another size next to a whole-file sha256: the sha256 checks the file.
@@ -163,12 +204,13 @@ def test_malformed_block_lists_are_refused_naming_the_file():
         parse([{"size": 1, "sha256": digest}])
 
 
-def test_an_empty_file_has_one_block(tmp_path: Path):
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_an_empty_file_has_one_block(tmp_path: Path, algorithm: str):
     (tmp_path / "empty").write_bytes(b"")
-    hasher = m.BlockHasher()
+    hasher = m.BlockHasher(algorithm)
     hasher.update(b"")
-    entry = FileEntry("empty", 0, blocks=hasher.result())
-    assert entry.blocks == (hashlib.sha256(b"").hexdigest(),)
+    entry = FileEntry("empty", 0, blocks=hasher.result(), block_hash=algorithm)
+    assert entry.blocks == (m.BLOCK_HASHES[algorithm](b"").hexdigest(),)
     m.write_manifest(tmp_path, Manifest(files=[entry]))
     verify(tmp_path)
     load(LoadRequest(str(tmp_path)), Quiet())
@@ -190,3 +232,18 @@ def test_publish_checks_block_digests_and_records_the_stored_sha256(artifact: Pa
     with pytest.raises(StoreError, match=f"{sorted(ranks)[0]}: block .* the source changed or is damaged"):
         PublishJob.prepare(artifact, str(tmp_path / "again")).run()
     assert not (tmp_path / "again" / MANIFEST_NAME).exists()
+
+
+def test_the_manifest_version_is_the_lowest_whose_readers_check_every_entry():
+    digest = hashlib.sha256(b"x").hexdigest()
+    whole, sha_blocks = FileEntry("a", 1, digest), FileEntry("b", 1, blocks=(digest,))
+    assert Manifest(files=[whole, sha_blocks]).version == 1
+    with_blake3 = Manifest(files=[whole, FileEntry("c", 1, blocks=(digest,), block_hash="blake3")])
+    assert json.loads(Manifest(files=[whole, sha_blocks]).to_json())["manifestVersion"] == 1
+    assert with_blake3.version == 2 and json.loads(with_blake3.to_json())["manifestVersion"] == 2
+    assert Manifest.from_json(with_blake3.to_json()).files == with_blake3.files
+    for version in (3, 0, True, "2", None, 2.0, 1.0):
+        body = {"manifestVersion": version, "files": [whole.to_dict()]}
+        with pytest.raises(IntegrityError, match=f"unsupported manifest version {version!r}: this release reads "
+                                                 "versions 1 and 2; run the worker image that prepared it"):
+            Manifest.from_json(json.dumps(body).encode())

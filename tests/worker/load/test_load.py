@@ -133,8 +133,11 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(reader, "MIN_SEGMENT", 4096)
 
 
-def blocks_of(data: bytes, size: int = 4096) -> tuple[str, ...]:
-    return tuple(sha(data[i:i + size]) for i in range(0, len(data), size)) or (sha(b""),)
+def blocks_of(data: bytes, size: int = 4096, algorithm: str = "sha256") -> tuple[str, ...]:
+    from ferry_worker.manifest import BLOCK_HASHES
+
+    digest = lambda chunk: BLOCK_HASHES[algorithm](chunk).hexdigest()  # noqa: E731
+    return tuple(digest(data[i:i + size]) for i in range(0, len(data), size)) or (digest(b""),)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
@@ -173,26 +176,27 @@ def test_segments_cover_every_byte_once_in_order(tmp_path: Path, monkeypatch, ha
         read_files(tmp_path, [FileEntry("f", size + 9000, sha(data))], options)
 
 
-def test_block_digests_verify_a_file_in_parallel_and_name_the_block(tmp_path: Path, small_blocks):
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_block_digests_verify_a_file_in_parallel_and_name_the_block(tmp_path: Path, small_blocks, algorithm: str):
     from ferry_worker import manifest
 
     data = bytes((i * 7) % 256 for i in range(4 * 4096 + 10))
-    h = manifest.BlockHasher()
+    h = manifest.BlockHasher(algorithm)
     for i in range(0, len(data), 1000):  # fed in uneven pieces
         h.update(data[i:i + 1000])
     blocks = h.result()
-    assert blocks == blocks_of(data) and len(blocks) == 5
+    assert blocks == blocks_of(data, algorithm=algorithm) and len(blocks) == 5
     (tmp_path / "f").write_bytes(data)
     options = ReadOptions(readers=8, chunk_size=1500, segments=3, files_at_once=1)
     assert all(start % 4096 == 0 for start, _ in options.cut(len(data), 1, align=4096))
     seen: list[int] = []
-    entry = FileEntry("f", len(data), blocks=blocks)  # blocks only, as `ferry shard` writes rank files
+    entry = FileEntry("f", len(data), blocks=blocks, block_hash=algorithm)  # blocks only, as in rank files
     read_files(tmp_path, [entry], options, seen.append)
     assert sum(seen) == len(data)
     bad = bytearray(data)
     bad[3 * 4096 + 5] ^= 1
     (tmp_path / "f").write_bytes(bytes(bad))
-    with pytest.raises(IntegrityError, match=r"f: block 3 \(bytes 12288-16383\)"):
+    with pytest.raises(IntegrityError, match=rf"f: block 3 \(bytes 12288-16383\) has {algorithm} "):
         read_files(tmp_path, [entry], options)
 
 

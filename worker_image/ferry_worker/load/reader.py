@@ -27,7 +27,6 @@ way: a link a tenant planted in the artifact or the slot leads nowhere.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -143,7 +142,7 @@ def _verify_range(fd: int, start: int, end: int, chunk: int, entry: FileEntry,
     # range(start, max(end, start + 1)): an empty file still has its one block, the digest of nothing.
     for block_start in range(start, max(end, start + 1), BLOCK_SIZE):
         block_end = min(end, block_start + BLOCK_SIZE)
-        h = hashlib.sha256()
+        h = entry.block_hasher()
         offset = block_start
         while offset < block_end:
             n = _pread_exactly(fd, buf[:min(len(buf), block_end - offset)], offset, entry.path)

@@ -2,7 +2,7 @@
 
 Each file is produced front to back by one thread: header, then every tensor's
 pieces, read from the checkpoint in bounded blocks. The bytes pass through
-SHA-256 on their way to disk, so the manifest costs no second read (which is
+the block hash (BLAKE3) on their way to disk, so the manifest costs no second read (which is
 also why a kernel-side copy_file_range would not save anything here: the hash
 needs the bytes in user space anyway). Each byte is hashed once, into its
 64 MiB block's digest: the manifest records the block digests only, not also
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from ..manifest import BlockHasher, FileEntry, atomic_file
+from ..manifest import SHARD_BLOCK_HASH, BlockHasher, FileEntry, atomic_file
 from .plan import Columns, Constant, PlannedFile, PlannedTensor, Refined, Rows, ZeroRows
 from .spans import BlockBuffers, Span, piece_span, read_side_by_side, read_span, zeros
 from .tensors import HeaderEntry, TensorLocation, encode_header, itemsize, widen
@@ -73,7 +73,7 @@ def write_rank_files(files: tuple[PlannedFile, ...], directory: Path, locations:
 
 def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[str, TensorLocation],
                     on_bytes: OnBytes) -> FileEntry:
-    digest, size = BlockHasher(), 0
+    digest, size = BlockHasher(SHARD_BLOCK_HASH), 0
     buffers = BlockBuffers()
     with SourceFiles(locations) as sources, atomic_file(directory / planned.name) as out:
         def emit(chunk: memoryview | bytes) -> None:
@@ -87,7 +87,7 @@ def write_rank_file(planned: PlannedFile, directory: Path, locations: Mapping[st
         for tensor in data_order(planned.tensors):
             for chunk in tensor_bytes(tensor, sources, buffers):
                 emit(chunk)
-    return FileEntry(planned.name, size, blocks=digest.result())
+    return FileEntry(planned.name, size, blocks=digest.result(), block_hash=SHARD_BLOCK_HASH)
 
 
 def tensor_bytes(tensor: PlannedTensor, sources: SourceFiles, buffers: BlockBuffers) -> Iterator[memoryview | bytes]:

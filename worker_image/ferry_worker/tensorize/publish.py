@@ -144,7 +144,9 @@ _BLOCKS = "blocks:"
 def _identity(entry: FileEntry) -> str:
     if entry.sha256:
         return entry.sha256
-    return _BLOCKS + hashlib.sha256("".join(entry.blocks).encode()).hexdigest()
+    # sha256 blocks keep the identity earlier releases gave them; another block hash is named in it.
+    kind = _BLOCKS if entry.block_hash == "sha256" else f"{entry.block_hash}-{_BLOCKS}"
+    return kind + hashlib.sha256("".join(entry.blocks).encode()).hexdigest()
 
 
 def _ferrys_own(rel: str) -> bool:
