@@ -46,6 +46,34 @@ def _project_copy(dest: Path) -> Path:
     return dest
 
 
+def test_vllm_sources_get_the_whole_second_mtimes_their_byte_code_records(tmp_path):
+    """umoci's layer tar rounds an mtime to the nearest second, pip's .pyc records it truncated: the vLLM image's
+    sources get whole-second mtimes, in copies, so their byte code stays valid; the host's linked files keep theirs."""
+    import importlib.util
+    import py_compile
+
+    from images.image_vllm import whole_second_sources
+
+    host, site = tmp_path / "host", tmp_path / "site"
+    (host / "pkg").mkdir(parents=True)
+    module = host / "pkg" / "m.py"
+    module.write_text("x = 1\n")
+    late = 1_796_513_554_641_688_402  # .64 s past the second: rounded, it would be the next one
+    os.utime(module, ns=(late, late))
+    py_compile.compile(str(module))
+    pyc = Path(importlib.util.cache_from_source(str(module)))
+    recorded = int.from_bytes(pyc.read_bytes()[8:12], "little")
+    subprocess.run(["cp", "-al", f"{host}/.", str(site)], check=True)
+
+    assert whole_second_sources(site) == 1
+    copy = site / "pkg" / "m.py"
+    assert copy.stat().st_mtime_ns == recorded * 1_000_000_000 and copy.read_text() == "x = 1\n"
+    assert round(copy.stat().st_mtime) == recorded, "what umoci stores is what the .pyc records"
+    assert module.stat().st_mtime_ns == late and module.stat().st_ino != copy.stat().st_ino
+    assert (site / pyc.relative_to(host)).stat().st_ino == pyc.stat().st_ino, "byte code stays linked"
+    assert whole_second_sources(site) == 0
+
+
 def test_python_change_moves_only_the_app_key(tmp_path):
     repo = _project_copy(tmp_path)
     before = keys.ferry_keys(repo)

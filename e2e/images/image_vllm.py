@@ -19,6 +19,8 @@ imported only by what serves with it (tests/node/test_vllm_on_node.py,
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -82,10 +84,36 @@ def _fill_venv(base_tree: Path, site: Path):
         dest = tree / SITE.lstrip("/")
         # Hard links: the layer tar reads them; nothing writes through them (the tree is removed after).
         subprocess.run(["cp", "-al", f"{site}/.", str(dest)], check=True)
+        whole_second_sources(dest)
         script = tree / VENV.lstrip("/") / "bin" / "vllm"
         script.write_text(f"#!{VENV}/bin/python\n" + ENTRYPOINT.read_text())
         os.chmod(script, 0o755)
     return fill
+
+
+def whole_second_sources(site: Path) -> int:
+    """Give every .py under `site` a whole-second mtime, in a copy (never through the link to the host's file).
+
+    A .pyc pip compiled records its source's mtime in whole seconds (truncated); umoci's layer tar rounds the
+    source's own mtime to the nearest second, so in the image 36% of the .pyc files (7783 of 21808, measured in
+    the layer) no longer matched their sources, and every Python process of every vLLM pod compiled those modules
+    again (it cannot write them back as user 65532): importing vLLM's API server costs 15 s without .pyc files
+    against 7 s with them, here. With the mtime truncated as the .pyc has it, the layer keeps it exactly."""
+    fixed = 0
+    for dirpath, _, names in os.walk(site):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if not name.endswith(".py") or not stat.S_ISREG(st.st_mode) or not st.st_mtime_ns % 1_000_000_000:
+                continue
+            whole = st.st_mtime_ns - st.st_mtime_ns % 1_000_000_000
+            copy = path + ".ferry-copy"
+            shutil.copyfile(path, copy)
+            os.chmod(copy, stat.S_IMODE(st.st_mode))
+            os.utime(copy, ns=(whole, whole))
+            os.replace(copy, path)
+            fixed += 1
+    return fixed
 
 
 def build(cache, layout, repo: Path, key: str) -> tuple[str, list[str], int]:
