@@ -104,7 +104,8 @@ def block_hash_problem(name: object) -> str | None:
     """Why `name` cannot be an entry's blockHash, or None."""
     if isinstance(name, str) and name in BLOCK_HASHES:
         return None
-    shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:40] + "..."
+    shown = repr(name)
+    shown = shown if len(shown) <= 40 else shown[:40] + "..."
     return f"blockHash {shown} is none this release checks ({', '.join(BLOCK_HASHES)})"
 
 
@@ -175,7 +176,6 @@ class BlockHasher:
     """The digest (a BLOCK_HASHES name) of each block of the bytes fed in order: every byte hashed once."""
 
     def __init__(self, algorithm: str = "sha256", block_size: int | None = None) -> None:
-        self.algorithm = algorithm
         self._new = BLOCK_HASHES[algorithm]
         self.block_size = block_size or BLOCK_SIZE  # read at call time (tests shrink it)
         self._block = self._new()
@@ -317,12 +317,8 @@ class Manifest:
             raise IntegrityError(f"{MANIFEST_NAME}: its files are not a list or its extra not an object; {NOT_FERRYS}")
         if len(files) > MAX_ENTRIES:
             raise IntegrityError(f"{MANIFEST_NAME}: {len(files)} entries, more than {MAX_ENTRIES}; {NOT_FERRYS}")
-        entries = [FileEntry.from_dict(f, body.get("blockSize")) for f in files]
-        if version == MANIFEST_VERSION and any(f.block_hash != "sha256" for f in entries):
-            raise IntegrityError(f"{MANIFEST_NAME}: manifestVersion {version} with blake3 block digests, which "
-                                 f"only version {BLAKE3_MANIFEST_VERSION} records; {NOT_FERRYS}")
-        return cls(
-            files=entries,
+        manifest = cls(
+            files=[FileEntry.from_dict(f, body.get("blockSize")) for f in files],
             source=body.get("source", ""),
             revision=body.get("revision"),
             format=body.get("format", "safetensors"),
@@ -330,6 +326,10 @@ class Manifest:
             created_at=body.get("createdAt", ""),
             extra=extra,
         )
+        if version < manifest.version:
+            raise IntegrityError(f"{MANIFEST_NAME}: manifestVersion {version} with blake3 block digests, which "
+                                 f"only version {manifest.version} records; {NOT_FERRYS}")
+        return manifest
 
 
 def sha256_file(path: Path | int) -> str:
