@@ -82,7 +82,10 @@ def ready_at(pod: dict) -> datetime:
 
 
 # vLLM's log lines that end each phase of its start, in order (vLLM 0.32, CPU; timestamps in whole seconds).
-PHASES = (("imports", "Starting to load model"), ("weights", "Warming up model for the compilation"),
+# "Resolved architecture" follows vLLM's model inspection: a subprocess that imports the model's module, unless
+# $VLLM_CACHE_ROOT/modelinfos/ holds its result (a restored cache does).
+PHASES = (("API server, model inspected", "Resolved architecture"), ("engine, workers start", "Starting to load model"),
+          ("weights", "Warming up model for the compilation"),
           ("compile", "Warming up done."), ("server", "Starting vLLM server on"))
 LOG_TIME = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d) ")
 
