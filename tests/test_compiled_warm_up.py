@@ -107,6 +107,20 @@ def test_a_warm_up_no_one_waits_for_goes():
     assert RemoveWarmUp("llama-warm-old") in off and [type(a) for a in off] == [PatchWorkload, RemoveWarmUp]
 
 
+def test_a_warm_up_goes_while_a_new_artifact_is_prepared():
+    """The weights spec changed while a Job warmed the last artifact's template: every key will hash the new
+    artifact, so no one waits for that Job; it goes at once, not at its one-hour deadline."""
+    m = mw("BeforeRollout")
+    (warm,) = planned(m, {}).actions
+    running = {warm.key: WarmUpFacts(warm.key, "llama-warm-1", "Running")}
+    steps = {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(m.spec)}
+    steps[next(iter(steps))] = StepState(StepPhase.RUNNING)
+    preparing = plan(m, Observed(steps=steps, artifact=None, workloads={NAME: deployment()}, warm_ups=running),
+                     loader=LOADER)
+    assert RemoveWarmUp("llama-warm-1") in preparing.actions
+    assert not any(isinstance(a, (PatchWorkload, WarmUp)) for a in preparing.actions)
+
+
 def wired_template():
     (warm,) = planned(mw("BeforeRollout"), {}).actions
     return warm, strategic.apply(TEMPLATE, warm.patch["spec"]["template"])

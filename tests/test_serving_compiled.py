@@ -134,6 +134,24 @@ def test_a_pod_that_compiles_nothing_gets_nothing_and_the_reason(args, words):
     assert not compiled.on and words in compiled.reason
 
 
+def test_the_harvest_asks_vllm_where_and_how_it_serves():
+    """The harvest waits for /health on the scheme and port the readiness probe uses: https under
+    --ssl-keyfile. vLLM bound to one address (--host) does not answer on 127.0.0.1, so compiled state is off
+    there, and the reason names the flag."""
+    def harvest_url(args):
+        patch = template_patch(spec(), "llama", ARTIFACT, "vllm", deployment(args), LOADER)
+        harvest = [c for c in pod_spec(patch)["initContainers"] if c["name"] == HARVEST_CONTAINER]
+        return harvest[0]["args"][harvest[0]["args"].index("--health-url") + 1] if harvest else None
+
+    tls = ["--model", "m", "--port", "8443", "--ssl-keyfile", "/tls/key", "--ssl-certfile", "/tls/crt"]
+    assert harvest_url(tls) == "https://127.0.0.1:8443/health"
+    for everywhere in ("0.0.0.0", "::", "127.0.0.1"):
+        assert harvest_url(["--model", "m", "--host", everywhere]) == "http://127.0.0.1:8000/health"
+    assert harvest_url(["--model", "m", "--host", "$(POD_IP)"]) is None
+    compiled = plan_compiled(spec(), ARTIFACT, "i", ["--model", "m", "--host=10.0.0.7"], True, 8000)
+    assert not compiled.on and "--host 10.0.0.7" in compiled.reason
+
+
 def test_where_it_does_not_apply_says_why():
     assert "Off" in plan_compiled(spec("Off"), ARTIFACT, "i", [], True, 8000).reason
     assert "readinessGate" in plan_compiled(spec(), ARTIFACT, "i", [], False, 8000).reason

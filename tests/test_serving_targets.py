@@ -333,13 +333,14 @@ def test_a_groups_pods_keep_their_own_compiled_state_and_headless_pods_wait_on_t
     spec = parse(obj).spec
     artifact = ARTIFACT.model_copy(update={"uri": "pvc://weights/llama/0b7e/abc/artifact"})
     body = lws()
-    body["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["args"] += ["--port", "8080"]
+    body["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["args"] += [
+        "--port", "8080", "--ssl-keyfile", "/tls/key", "--ssl-certfile", "/tls/crt"]
     facts = leaderworkerset_facts(body)
     workers, leader = groups_of(spec.serving.targets[0], facts)
     index_env = {"name": GROUP_INDEX_ENV, "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}}
-    for template, group, url in ((facts, workers, "http://$(LWS_LEADER_ADDRESS):8080/health"),
-                                 (facts.leader, leader, "http://127.0.0.1:8080/health")):
+    for template, group, url in ((facts, workers, "https://$(LWS_LEADER_ADDRESS):8080/health"),
+                                 (facts.leader, leader, "https://127.0.0.1:8080/health")):
         patch = template_patch(spec, "llama", artifact, "vllm", template, LOADER, group)
         harvest, loader = container(patch, "ferry-compiled-harvest"), container(patch, "ferry-load")
         args = harvest["args"]

@@ -284,7 +284,8 @@ def plan(mw: ModelWeights, observed: Observed, retries: RetryPolicy = RetryPolic
     if status.retry is not None and status.retry.step not in {s.id for s in steps}:
         status.retry = None  # a retry of a superseded spec's step
     preparing = _prepare(mw, observed, steps, draft, retries, requested)
-    if preparing is not None:
+    if preparing is not None:  # a new artifact: every key will hash it, so no running warm-up is waited for
+        preparing.actions += _moot_warm_ups(observed, set())
         return preparing
     artifact = observed.artifact
     if steps and artifact is None:
@@ -402,6 +403,12 @@ class _Progress:
     pending: set[str] = field(default_factory=set)
 
 
+def _moot_warm_ups(observed: Observed, pending: set[str]) -> list[RemoveWarmUp]:
+    """Running warm-up Jobs of keys no workload waits for: they go, with the accelerators they hold."""
+    return [RemoveWarmUp(job.job) for key, job in (observed.warm_ups or {}).items()
+            if job.phase == "Running" and key not in pending]
+
+
 def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft, loader: LoaderSettings | None,
            keep_previous: int) -> Plan:
     """Wire each Deployment, follow its rollout and its pods' loaders; Ready once all serve the artifact."""
@@ -422,8 +429,7 @@ def _serve(mw: ModelWeights, observed: Observed, facts: Artifact, draft: _Draft,
         stalled = _serve_target(mw, observed, facts, draft, target, loader, gated, cache, warmed, progress)
         if stalled is not None:
             return stalled
-    progress.actions += [RemoveWarmUp(job.job) for key, job in (observed.warm_ups or {}).items()
-                         if job.phase == "Running" and key not in progress.pending]
+    progress.actions += _moot_warm_ups(observed, progress.pending)
     status.compiled_state = _compiled_status(mw, observed, facts, targets, gated)
     if status.compiled_state is not None and warmed:
         status.compiled_state = status.compiled_state.model_copy(update={"warmed": warmed[-8:]})
@@ -566,9 +572,9 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
         return CompiledStateStatus(message=f"{target.describe()} not found")
     name = target.container or next(iter(current.containers), "")
     words = current.commands.get(name, []) + current.containers.get(name, [])
-    port = health_probe(words)["httpGet"]["port"]
-    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated, port,
-                             current.envs.get(name, []))
+    probe = health_probe(words)["httpGet"]
+    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated, probe["port"],
+                             current.envs.get(name, []), scheme=probe["scheme"].lower())
     if not compiled.on:
         return CompiledStateStatus(message=compiled.reason)
     before = mw.status.compiled_state if mw.status else None

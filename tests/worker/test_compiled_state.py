@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tarfile
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,42 @@ def test_a_sparse_member_is_refused(tmp_path):
     assert refused(tmp_path / "store", tmp_path / "dest")
 
 
+@pytest.mark.parametrize("pax", [
+    {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "s", "GNU.sparse.realsize": "10"},
+    {"GNU.sparse.map": "0,5,5,5"},
+    {"GNU.sparse.size": "10"},
+])
+def test_a_member_made_sparse_by_its_pax_headers_is_refused_before_its_map_is_read(tmp_path, pax):
+    """PAX headers can declare a member sparse; tarfile would read its sparse map (any length) from the stream
+    before the member reaches the checks: refused at the header."""
+    member = info("s")
+    member.pax_headers = dict(pax)
+    forged(tmp_path / "store", [(member, b"9999999999\n" + b"0\n" * 4000)])
+    assert "sparse" in refused(tmp_path / "store", tmp_path / "dest")
+
+
+def test_member_headers_are_not_kept_while_the_state_streams(tmp_path):
+    """tarfile keeps every header it read (PAX records of up to 64 KiB each); the restore keeps none, so its
+    memory does not grow with the count of members."""
+    import tracemalloc
+    members = []
+    for i in range(300):  # 300 x 60 kB of PAX comments: 18 MB if every header were kept
+        member = info(f"f{i}")
+        member.pax_headers = {"comment": "c" * 60_000}
+        members.append((member, b"x"))
+    forged(tmp_path / "store", members)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    tracemalloc.start()
+    try:
+        outcome = restore(tmp_path / "store", KEY, DEVICE, dest)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert outcome.state == "restored", outcome.reason
+    assert peak < 6_000_000, f"the restore held {peak} bytes at its peak"
+
+
 def test_directories_count_toward_the_cap(tmp_path):
     forged(tmp_path / "store", [(info(f"d{i}", tarfile.DIRTYPE), None) for i in range(50)])
     dest = tmp_path / "dest"
@@ -265,6 +302,24 @@ def test_a_leftover_staging_directory_or_a_racing_harvest_does_not_fail_it(tmp_p
     assert harvest(root, store, KEY, DEVICE).state == "present"
 
 
+def test_what_a_killed_harvest_left_is_swept_once_it_is_old(tmp_path):
+    """A SIGKILLed harvest (OOM, a lost node) leaves its partial tar on the claim; the next harvest of that
+    entry removes such leftovers older than an hour, and never a running harvest's."""
+    import time
+
+    store = tmp_path / "store"
+    (store / KEY).mkdir(parents=True)
+    old, fresh = (store / KEY / f".{DEVICE}.partial-{n}" for n in ("old", "fresh"))
+    aside = store / KEY / f".{DEVICE}.old-x"
+    for d in (old, fresh, aside):
+        d.mkdir()
+        (d / STATE).write_bytes(b"x" * 100)
+    for d in (old, aside):
+        os.utime(d, (time.time() - 7200,) * 2)
+    assert harvest(cache(tmp_path / "src"), store, KEY, DEVICE).state == "published"
+    assert sorted(p.name for p in (store / KEY).iterdir()) == sorted([DEVICE, fresh.name])
+
+
 def test_an_entry_without_the_cache_key_vllm_now_uses_is_replaced(tmp_path, published):
     src, store = published
     (src / "torch_compile_cache" / "f00dfeed11").mkdir()  # vLLM compiled under another key (a new config)
@@ -274,24 +329,54 @@ def test_an_entry_without_the_cache_key_vllm_now_uses_is_replaced(tmp_path, publ
     assert harvest(src, store, KEY, DEVICE).state == "present"
 
 
+class Health(BaseHTTPRequestHandler):
+    """vLLM's /health, healthy."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture
 def healthy_url():
     """A stand-in for vLLM's /health on loopback (the harvest waits for its 200)."""
     import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
 
     server = HTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/health"
     server.shutdown()
+
+
+def test_the_harvest_reads_a_tls_health_endpoint(tmp_path):
+    """vLLM serving TLS (--ssl-keyfile): its certificate names a Service, not 127.0.0.1, and the harvest still
+    learns that it serves (and that it does not, once it stops)."""
+    import ssl
+    import subprocess
+    import threading
+
+    from ferry_worker.compiled.cli import _healthy
+
+    key, crt = tmp_path / "key.pem", tmp_path / "crt.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=llama-70b.serving.svc", "-keyout", str(key), "-out", str(crt)], check=True,
+                   capture_output=True)
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(crt, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        assert _healthy(f"https://127.0.0.1:{port}/health")
+        assert not _healthy(f"http://127.0.0.1:{port}/health")  # plain HTTP to a TLS server: not yet
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not _healthy(f"https://127.0.0.1:{port}/health")
 
 
 def test_a_warm_up_harvest_exits_0_only_when_the_state_is_kept(tmp_path, healthy_url, capsys):

@@ -34,6 +34,7 @@ from typing import Any
 from ..api.types import Artifact, CompiledStateMode, ModelWeightsSpec
 from ..locations import OBJECT_STORE_FORMATS
 from .groups import GROUP_INDEX_ENV, Group
+from .loader import served_host
 from .s3_env import S3_ENV_NAMES, s3_env
 
 ENV = "VLLM_CACHE_ROOT"
@@ -104,11 +105,17 @@ def s3_store_of(spec: ModelWeightsSpec, artifact_uri: str) -> str | None:
     return base + "/".join(parts[:3] + [STORE_DIR])
 
 
+# --host values under which vLLM answers on 127.0.0.1, where the harvest asks (0.0.0.0 and :: are every address)
+LOOPBACK_SERVED = frozenset({"0.0.0.0", "::", "127.0.0.1", "localhost", ""})
+
+
 def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], gated: bool,
-                  port: int, env: list[dict[str, Any]] = (), group: Group | None = None) -> Compiled:
+                  port: int, env: list[dict[str, Any]] = (), group: Group | None = None,
+                  scheme: str = "http") -> Compiled:
     """Whether the template keeps and restores compiled state, and under which key. `env`: the vLLM
     container's env as the user wrote it (vLLM's own cache key hashes some of it; Ferry's entries excluded).
-    `group`: the template's pods form multi-node groups; each pod keeps its own entry (its ranks')."""
+    `group`: the template's pods form multi-node groups; each pod keeps its own entry (its ranks').
+    `port`, `scheme`: where the template's vLLM serves /health (the readiness probe's)."""
     setting = spec.serving.compiled_state if spec.serving else None
     if setting is None or setting.mode == CompiledStateMode.OFF.value:
         return Compiled(reason="serving.compiledState.mode is Off: vLLM compiles in every pod")
@@ -118,6 +125,11 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
                                f"restored")
     if not gated:
         return Compiled(reason="serving.compiledState needs serving.readinessGate: the loader restores it")
+    host = served_host(words)
+    if host not in LOOPBACK_SERVED and host is not None and (group is None or group.probe):
+        return Compiled(reason=f"the vLLM command line has --host {host}: the harvest waits for vLLM's /health "
+                               f"on 127.0.0.1 in the pod; drop --host (vLLM serves every address) to keep "
+                               f"compiled state")
     store, s3_store = store_of(artifact.uri), s3_store_of(spec, artifact.uri)
     pvc = spec.storage.pvc if spec.storage else None
     if store is not None and pvc is not None and pvc.access_modes and set(pvc.access_modes) == {"ReadOnlyMany"}:
@@ -136,7 +148,7 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
     environment = hashlib.sha256(json.dumps(own, sort_keys=True).encode()).hexdigest()[:12]
     inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command),
               ("env", environment))
-    health = group.health_address(port) if group else f"http://127.0.0.1:{port}/health"
+    health = group.health_address(port, scheme) if group else f"{scheme}://127.0.0.1:{port}/health"
     if s3_store is not None:
         return Compiled(key=key, health_url=health, group=group, inputs=inputs, s3_store=s3_store,
                         store_env=tuple(s3_env(spec)))

@@ -33,6 +33,7 @@ class Group:
     # StatefulSet's pods share one template and all but pod 0 run headless, so its readiness is the gate.
     probe: bool = False
     leader_port: int = VLLM_DEFAULT_PORT
+    leader_scheme: str = "http"  # "https" where the leader's vLLM serves TLS (--ssl-keyfile)
 
     def env(self) -> dict[str, Any]:
         return {"name": GROUP_INDEX_ENV, "valueFrom": {"fieldRef": {
@@ -45,9 +46,9 @@ class Group:
     def loader_args(self) -> list[str]:
         return ["--group-size", str(self.size), "--group-index", f"$({GROUP_INDEX_ENV})"]
 
-    def health_address(self, own_port: int) -> str:
+    def health_address(self, own_port: int, own_scheme: str = "http") -> str:
         """Where a pod of this template learns that the group's vLLM serves: its own /health where every pod
         serves HTTP, else the leader's (vLLM's leader answers only once every pod's ranks are up)."""
         if self.probe:
-            return f"http://127.0.0.1:{own_port}/health"
-        return f"http://{self.master_addr}:{self.leader_port}/health"
+            return f"{own_scheme}://127.0.0.1:{own_port}/health"
+        return f"{self.leader_scheme}://{self.master_addr}:{self.leader_port}/health"

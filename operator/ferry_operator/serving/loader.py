@@ -128,14 +128,30 @@ def local_volume(artifact_bytes: int) -> dict[str, Any]:
     return {"name": LOCAL_VOLUME, "emptyDir": {"sizeLimit": str(limit)}}
 
 
-def health_probe(words: list[str]) -> dict[str, Any]:
-    """httpGet /health on the port (and scheme) the vLLM command line serves."""
+def _flat(words: list[str]) -> list[str]:
     flat: list[str] = []
     for w in words:  # a `sh -c` script's words too
         try:
             flat += shlex.split(w) if " " in w else [w]
         except ValueError:  # unbalanced quotes: not a script this reads
             flat.append(w)
+    return flat
+
+
+def served_host(words: list[str]) -> str | None:
+    """The address the vLLM command line binds its API server to (--host), None without one (every address)."""
+    flat = _flat(words)
+    for i, w in enumerate(flat):
+        if w == "--host" and i + 1 < len(flat):
+            return flat[i + 1]
+        if w.startswith("--host="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def health_probe(words: list[str]) -> dict[str, Any]:
+    """httpGet /health on the port (and scheme) the vLLM command line serves."""
+    flat = _flat(words)
     port, tls = VLLM_DEFAULT_PORT, False
     for i, w in enumerate(flat):
         if w == "--port" and i + 1 < len(flat) and flat[i + 1].isdigit():

@@ -492,8 +492,9 @@ def _wiring(spec: ModelWeightsSpec, artifact: Artifact, container: str | None, c
     init = (_loader_init(loader, location, digest, mounted, local, current.resources.get(name) or {})
             if gated else None)
     argv = new_command + new_args
+    probe = health_probe(argv)["httpGet"]
     compiled = plan_compiled(spec, artifact, current.images.get(name, ""), argv, init is not None,
-                             health_probe(argv)["httpGet"]["port"], current.envs.get(name, []), group)
+                             probe["port"], current.envs.get(name, []), group, probe["scheme"].lower())
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
     group_env = _group_env(group, was_grouped)

@@ -104,19 +104,22 @@ def groups_of(target: ServingTarget, facts: WorkloadFacts) -> tuple[Group | None
                                f"vLLM's --master-addr (pod 0 of the group); set spec.serviceName to a headless "
                                f"Service")
         master = f"{facts.name}-0.{facts.service_name}"
-        return Group(size, STATEFULSET_INDEX_LABEL, master, leader_port=_port(facts, target.container)), None
+        port, scheme = _health(facts, target.container)
+        return Group(size, STATEFULSET_INDEX_LABEL, master, leader_port=port, leader_scheme=scheme), None
     if facts.leader is None:
         raise ServingError(f"{target.describe()} has no leaderTemplate: in vLLM's multi-node launch the leader "
                            f"runs the API server and the workers run --headless; give it a leaderTemplate")
-    port = _port(facts.leader, target.container)
-    return (Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, headless=True, leader_port=port),
-            Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, probe=True, leader_port=port))
+    port, scheme = _health(facts.leader, target.container)
+    return (Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, headless=True, leader_port=port, leader_scheme=scheme),
+            Group(size, LWS_INDEX_LABEL, LWS_LEADER_ADDRESS, probe=True, leader_port=port, leader_scheme=scheme))
 
 
-def _port(facts: WorkloadFacts, container: str | None) -> int:
-    """The port the template's vLLM serves /health on (its --port, else vLLM's default)."""
+def _health(facts: WorkloadFacts, container: str | None) -> tuple[int, str]:
+    """The port and scheme the template's vLLM serves /health on (its --port, else vLLM's default; https with
+    --ssl-keyfile)."""
     name = container or next(iter(facts.containers), "")
-    return health_probe(facts.commands.get(name, []) + facts.containers.get(name, []))["httpGet"]["port"]
+    get = health_probe(facts.commands.get(name, []) + facts.containers.get(name, []))["httpGet"]
+    return get["port"], get["scheme"].lower()
 
 
 class GroupSizeMismatch(ServingError):

@@ -30,6 +30,7 @@ import shutil
 import stat
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -131,6 +132,7 @@ def harvest(cache_root: Path, store: Path, key: str, device: str, limits: Limits
             return Outcome("present", f"{key}/{device} was published before")
         replaced = f"; replaced the entry there ({problem})"
     (store / key).mkdir(parents=True, exist_ok=True)
+    _sweep(store / key, device)
     staging = Path(tempfile.mkdtemp(prefix=f".{device}.partial-", dir=store / key))
     try:
         digest, size, files, content = write_tar(cache_root, staging / STATE, limits)
@@ -151,6 +153,19 @@ def harvest(cache_root: Path, store: Path, key: str, device: str, limits: Limits
         shutil.rmtree(staging, ignore_errors=True)
     fsync_dir(final.parent)
     return Outcome("published", f"{files} files, {size} bytes as {key}/{device}{replaced}", files, size)
+
+
+LEFTOVER_SECONDS = 3600  # no harvest writes its tar for an hour: a partial directory that old was left behind
+
+
+def _sweep(directory: Path, device: str) -> None:
+    """What a killed harvest left on the claim (a SIGKILL skips its `finally`): its partial or set-aside
+    directories, once older than any harvest takes."""
+    cutoff = time.time() - LEFTOVER_SECONDS
+    for entry in os.scandir(directory):
+        if (entry.name.startswith((f".{device}.partial-", f".{device}.old-"))
+                and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _set_aside(store: Path, key: str, device: str) -> None:
@@ -310,7 +325,7 @@ def restore(store: Path, key: str, device: str, dest: Path, limits: Limits = Lim
     try:
         manifest = manifest_of(raw, key, device, limits)
         files, size = _extract(store, where, dest, manifest, limits)
-    except (CompiledStateError, UnsafePathError, tarfile.TarError, OSError) as e:
+    except (CompiledStateError, UnsafePathError, tarfile.TarError, OSError, ValueError) as e:
         return Outcome("refused", f"{where} failed verification and is not used ({e}): vLLM compiles afresh")
     return Outcome("restored", f"{files} files, {size} bytes from {where}, verified", files, size)
 
@@ -381,12 +396,20 @@ class _BoundedInfo(tarfile.TarInfo):
             raise tarfile.HeaderError(f"an extended header of {self.size} bytes")
         return super()._proc_member(tarfile_)
 
+    # PAX headers can declare a member sparse (GNU.sparse.*): tarfile would then read a sparse map of any
+    # length from the stream before a member is seen. Harvest writes no sparse member: refuse them first.
+    def _proc_gnusparse_00(self, *_: object) -> None:
+        raise tarfile.HeaderError("a sparse member (GNU.sparse PAX headers)")
+
+    _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
+
 
 def _members_out(stream: _Hashing, staging: Path, limits: Limits) -> tuple[int, int]:
     """Every member checked, counted (directories too) and written under `staging`; (files, bytes)."""
     files = members = size = 0
     with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedInfo) as tar:
-        for member in tar:
+        while (member := tar.next()) is not None:
+            tar.members.clear()  # tarfile keeps every header read (each up to MAX_EXTENDED_HEADER): keep none
             if not (member.isfile() or member.isdir()) or member.sparse is not None:
                 raise CompiledStateError(f"member {member.name[:200]!r} is neither a file nor a directory")
             problem = path_problem(member.name)
