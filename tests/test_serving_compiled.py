@@ -148,6 +148,7 @@ def test_the_harvest_asks_vllm_where_and_how_it_serves():
     for everywhere in ("0.0.0.0", "::", "127.0.0.1"):
         assert harvest_url(["--model", "m", "--host", everywhere]) == "http://127.0.0.1:8000/health"
     assert harvest_url(["--model", "m", "--host", "$(POD_IP)"]) is None
+    assert harvest_url(["--model", "m", "--host", "0.0.0.0", "--host", "10.0.0.7"]) is None  # argparse's last
     compiled = plan_compiled(spec(), ARTIFACT, "i", ["--model", "m", "--host=10.0.0.7"], True, 8000)
     assert not compiled.on and "--host 10.0.0.7" in compiled.reason
 

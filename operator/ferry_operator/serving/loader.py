@@ -139,14 +139,15 @@ def _flat(words: list[str]) -> list[str]:
 
 
 def served_host(words: list[str]) -> str | None:
-    """The address the vLLM command line binds its API server to (--host), None without one (every address)."""
-    flat = _flat(words)
+    """The address the vLLM command line binds its API server to (its last --host, as argparse takes), None
+    without one (every address)."""
+    flat, host = _flat(words), None
     for i, w in enumerate(flat):
         if w == "--host" and i + 1 < len(flat):
-            return flat[i + 1]
-        if w.startswith("--host="):
-            return w.split("=", 1)[1]
-    return None
+            host = flat[i + 1]
+        elif w.startswith("--host="):
+            host = w.split("=", 1)[1]
+    return host
 
 
 def health_probe(words: list[str]) -> dict[str, Any]:

@@ -163,9 +163,15 @@ def _sweep(directory: Path, device: str) -> None:
     directories, once older than any harvest takes."""
     cutoff = time.time() - LEFTOVER_SECONDS
     for entry in os.scandir(directory):
-        if (entry.name.startswith((f".{device}.partial-", f".{device}.old-"))
-                and entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff):
-            shutil.rmtree(entry.path, ignore_errors=True)
+        if not entry.name.startswith((f".{device}.partial-", f".{device}.old-")):
+            continue
+        try:  # another harvest may sweep or rename it meanwhile; its tar's mtime moves while it is written
+            if entry.is_dir(follow_symlinks=False) and max(
+                    [entry.stat(follow_symlinks=False).st_mtime] +
+                    [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(entry.path)]) < cutoff:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _set_aside(store: Path, key: str, device: str) -> None:
@@ -325,7 +331,7 @@ def restore(store: Path, key: str, device: str, dest: Path, limits: Limits = Lim
     try:
         manifest = manifest_of(raw, key, device, limits)
         files, size = _extract(store, where, dest, manifest, limits)
-    except (CompiledStateError, UnsafePathError, tarfile.TarError, OSError, ValueError) as e:
+    except (CompiledStateError, UnsafePathError, tarfile.TarError, OSError, ValueError, RecursionError) as e:
         return Outcome("refused", f"{where} failed verification and is not used ({e}): vLLM compiles afresh")
     return Outcome("restored", f"{files} files, {size} bytes from {where}, verified", files, size)
 
@@ -381,27 +387,71 @@ def extract_verified(f: IO[bytes], dest: Path, manifest: dict, limits: Limits) -
     return files, size
 
 
-MAX_EXTENDED_HEADER = 64 << 10  # a PAX or GNU long-name header: a path, a size; never more
+MAX_EXTENDED_HEADER = 2 << 10  # a PAX header: a path (at most MAX_PATH_BYTES), a size, times; never more
+# The PAX records Python's tarfile writes for a harvest's members (a long path, a size or time out of the
+# ustar fields' range); anything else (GNU.sparse.*, hdrcharset, comments) harvest never writes.
+PAX_KEYS = frozenset({"path", "linkpath", "size", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname"})
+NOT_WRITTEN = (tarfile.GNUTYPE_SPARSE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+               tarfile.GNUTYPE_LONGLINK)
 
 
 class _BoundedInfo(tarfile.TarInfo):
-    """A member header whose extended headers (PAX, GNU long names) tarfile would read whole into memory
-    is refused above MAX_EXTENDED_HEADER, and sparse members are refused outright (harvest writes none)."""
+    """Member headers as harvest writes them, parsed in linear time and bounded memory: one PAX extended
+    header per member at most, at most MAX_EXTENDED_HEADER, with only PAX_KEYS records; global headers,
+    GNU long names and sparse members are refused before tarfile reads them (tarfile keeps global records
+    for every later member, and its own PAX parsing is quadratic in the header's size)."""
 
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type == tarfile.GNUTYPE_SPARSE:
-            raise tarfile.HeaderError("a sparse member")
-        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
-                         tarfile.GNUTYPE_LONGLINK) and self.size > MAX_EXTENDED_HEADER:
-            raise tarfile.HeaderError(f"an extended header of {self.size} bytes")
+        if self.type in NOT_WRITTEN:
+            raise tarfile.HeaderError(f"a tar header of type {self.type!r} (a sparse member, a global header or "
+                                      f"a GNU long name), which harvest never writes")
+        if self.type == tarfile.XHDTYPE:
+            if self.size > MAX_EXTENDED_HEADER:
+                raise tarfile.HeaderError(f"an extended header of {self.size} bytes")
+            if getattr(tarfile_, "_ferry_extended", False):
+                raise tarfile.HeaderError("an extended header follows another")
         return super()._proc_member(tarfile_)
 
-    # PAX headers can declare a member sparse (GNU.sparse.*): tarfile would then read a sparse map of any
-    # length from the stream before a member is seen. Harvest writes no sparse member: refuse them first.
-    def _proc_gnusparse_00(self, *_: object) -> None:
-        raise tarfile.HeaderError("a sparse member (GNU.sparse PAX headers)")
+    def _proc_pax(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        """tarfile's own, restricted: the records parsed linearly (_pax_records), then the member they
+        describe, which may not be another extended header."""
+        records = _pax_records(tarfile_.fileobj.read(self._block(self.size))[:self.size])
+        tarfile_._ferry_extended = True
+        try:
+            member = self.fromtarfile(tarfile_)
+        except tarfile.HeaderError as e:
+            raise tarfile.SubsequentHeaderError(str(e)) from None
+        finally:
+            tarfile_._ferry_extended = False
+        member._apply_pax_info(records, tarfile_.encoding, tarfile_.errors)
+        member.offset = self.offset
+        if "size" in records:  # the member's data ends where its PAX size says
+            whole = member.isreg() or member.type not in tarfile.SUPPORTED_TYPES
+            tarfile_.offset = member.offset_data + (member._block(member.size) if whole else 0)
+        return member
 
-    _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
+
+def _pax_records(buf: bytes) -> dict[str, str]:
+    """PAX records ("<length> <keyword>=<value>\n"), each checked in one pass: a length of at most five
+    digits that ends on a newline inside the header, a keyword in PAX_KEYS, a UTF-8 value."""
+    records: dict[str, str] = {}
+    pos = 0
+    while pos < len(buf):
+        space = buf.find(b" ", pos, pos + 6)
+        length = int(buf[pos:space]) if space > pos and buf[pos:space].isdigit() else 0
+        end = pos + length
+        if length <= space - pos + 3 or end > len(buf) or buf[end - 1:end] != b"\n":
+            raise tarfile.HeaderError(f"a malformed PAX record at byte {pos}")
+        keyword, eq, value = buf[space + 1:end - 1].partition(b"=")
+        name = keyword.decode("ascii", "replace")
+        if not eq or name not in PAX_KEYS:
+            raise tarfile.HeaderError(f"a PAX record {name[:40]!r}, which harvest never writes")
+        try:
+            records[name] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise tarfile.HeaderError(f"a PAX record {name!r} that is not UTF-8") from None
+        pos = end
+    return records
 
 
 def _members_out(stream: _Hashing, staging: Path, limits: Limits) -> tuple[int, int]:
