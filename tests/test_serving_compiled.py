@@ -130,7 +130,7 @@ def test_a_pod_that_compiles_nothing_gets_nothing_and_the_reason(args, words):
     patch = template_patch(spec(), "llama", ARTIFACT, "vllm", deployment(args), LOADER)
     pod = pod_spec(patch)
     assert [c["name"] for c in pod["initContainers"]] == [LOADER_CONTAINER]
-    compiled = plan_compiled(spec(), ARTIFACT, "img", args, True, 8000)
+    compiled = plan_compiled(spec(), ARTIFACT, "img", args, True)
     assert not compiled.on and words in compiled.reason
 
 
@@ -149,15 +149,15 @@ def test_the_harvest_asks_vllm_where_and_how_it_serves():
         assert harvest_url(["--model", "m", "--host", everywhere]) == "http://127.0.0.1:8000/health"
     assert harvest_url(["--model", "m", "--host", "$(POD_IP)"]) is None
     assert harvest_url(["--model", "m", "--host", "0.0.0.0", "--host", "10.0.0.7"]) is None  # argparse's last
-    compiled = plan_compiled(spec(), ARTIFACT, "i", ["--model", "m", "--host=10.0.0.7"], True, 8000)
+    compiled = plan_compiled(spec(), ARTIFACT, "i", ["--model", "m", "--host=10.0.0.7"], True)
     assert not compiled.on and "--host 10.0.0.7" in compiled.reason
 
 
 def test_where_it_does_not_apply_says_why():
-    assert "Off" in plan_compiled(spec("Off"), ARTIFACT, "i", [], True, 8000).reason
-    assert "readinessGate" in plan_compiled(spec(), ARTIFACT, "i", [], False, 8000).reason
+    assert "Off" in plan_compiled(spec("Off"), ARTIFACT, "i", [], True).reason
+    assert "readinessGate" in plan_compiled(spec(), ARTIFACT, "i", [], False).reason
     s3 = ARTIFACT.model_copy(update={"uri": "s3://bucket/llama/x"})
-    assert "claim" in plan_compiled(spec(), s3, "i", [], True, 8000).reason
+    assert "claim" in plan_compiled(spec(), s3, "i", [], True).reason
     assert store_of(URI) == ("llama-weights", "llama/0b7e")
     for odd in ("pvc://c", "pvc://c/artifact", "pvc://c//x/artifact", "pvc://c/a/b/staging", "file:///a/b/artifact"):
         assert store_of(odd) is None
@@ -266,7 +266,7 @@ def test_the_status_names_a_tag_that_moved_between_pods():
 def test_a_read_only_many_claim_gets_no_compiled_state():
     s = parse(with_("storage.pvc.accessModes", ["ReadOnlyMany"], with_("serving.compiledState",
                                                                       {"mode": "AfterFirstReady"}))).spec
-    compiled = plan_compiled(s, ARTIFACT, "i", [], True, 8000)
+    compiled = plan_compiled(s, ARTIFACT, "i", [], True)
     assert not compiled.on and "ReadOnlyMany" in compiled.reason
 
 
@@ -385,7 +385,7 @@ def test_under_the_node_cache_the_state_is_in_s3_and_only_ferrys_containers_hold
 
 def test_an_s3_artifact_ferry_did_not_publish_gets_no_compiled_state():
     users = S3_ARTIFACT.model_copy(update={"uri": "s3://someone-elses/models/llama"})  # not Ferry's prefix
-    foreign = plan_compiled(s3_spec(), users, "i", [], True, 8000)
+    foreign = plan_compiled(s3_spec(), users, "i", [], True)
     assert not foreign.on and "published to storage.s3" in foreign.reason
     assert s3_store_of(s3_spec(), "s3://ferry-artifacts/llama/ml/llama/0b7e/abc123") == \
         "s3://ferry-artifacts/llama/ml/llama/0b7e/compiled"

@@ -21,7 +21,7 @@ from .node_cache import CachePlan, FillFacts, FillNode, RemoveFill, Template, ca
 from .placement import NodeFacts
 from .serving.wiring import ServingError, WorkloadFacts, loader_applies, node_cache_on, template_patch
 from .serving.compiled import WarmUpFacts, changed, compiled_key, plan_compiled, pod_outcome
-from .serving.loader import LOADER_CONTAINER, LoaderSettings, health_probe
+from .serving.loader import LOADER_CONTAINER, LoaderSettings
 from .steps import Step, UnsupportedSpec, prepare_steps
 from .serving.diagnosis import UNSCHEDULABLE, WAITING_REASONS, PodTrouble
 from .serving.weights_loaded import PodFacts, summarize
@@ -572,9 +572,8 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
         return CompiledStateStatus(message=f"{target.describe()} not found")
     name = target.container or next(iter(current.containers), "")
     words = current.commands.get(name, []) + current.containers.get(name, [])
-    probe = health_probe(words)["httpGet"]
-    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated, probe["port"],
-                             current.envs.get(name, []), scheme=probe["scheme"].lower())
+    compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated,
+                             current.envs.get(name, []))
     if not compiled.on:
         return CompiledStateStatus(message=compiled.reason)
     before = mw.status.compiled_state if mw.status else None

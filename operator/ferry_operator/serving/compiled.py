@@ -34,7 +34,7 @@ from typing import Any
 from ..api.types import Artifact, CompiledStateMode, ModelWeightsSpec
 from ..locations import OBJECT_STORE_FORMATS
 from .groups import GROUP_INDEX_ENV, Group
-from .loader import served_host
+from .loader import health_endpoint, served_host
 from .s3_env import S3_ENV_NAMES, s3_env
 
 ENV = "VLLM_CACHE_ROOT"
@@ -110,12 +110,10 @@ LOOPBACK_SERVED = frozenset({"0.0.0.0", "::", "127.0.0.1", "localhost", ""})
 
 
 def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words: list[str], gated: bool,
-                  port: int, env: list[dict[str, Any]] = (), group: Group | None = None,
-                  scheme: str = "http") -> Compiled:
+                  env: list[dict[str, Any]] = (), group: Group | None = None) -> Compiled:
     """Whether the template keeps and restores compiled state, and under which key. `env`: the vLLM
     container's env as the user wrote it (vLLM's own cache key hashes some of it; Ferry's entries excluded).
-    `group`: the template's pods form multi-node groups; each pod keeps its own entry (its ranks').
-    `port`, `scheme`: where the template's vLLM serves /health (the readiness probe's)."""
+    `group`: the template's pods form multi-node groups; each pod keeps its own entry (its ranks')."""
     setting = spec.serving.compiled_state if spec.serving else None
     if setting is None or setting.mode == CompiledStateMode.OFF.value:
         return Compiled(reason="serving.compiledState.mode is Off: vLLM compiles in every pod")
@@ -126,7 +124,7 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
     if not gated:
         return Compiled(reason="serving.compiledState needs serving.readinessGate: the loader restores it")
     host = served_host(words)
-    if host not in LOOPBACK_SERVED and host is not None and (group is None or group.probe):
+    if host is not None and host not in LOOPBACK_SERVED and (group is None or group.probe):
         return Compiled(reason=f"the vLLM command line has --host {host}: the harvest waits for vLLM's /health "
                                f"on 127.0.0.1 in the pod; drop --host (vLLM serves every address) to keep "
                                f"compiled state")
@@ -148,6 +146,7 @@ def plan_compiled(spec: ModelWeightsSpec, artifact: Artifact, image: str, words:
     environment = hashlib.sha256(json.dumps(own, sort_keys=True).encode()).hexdigest()[:12]
     inputs = (("weights", artifact.manifest_digest or artifact.uri), ("image", image), ("command line", command),
               ("env", environment))
+    port, scheme = health_endpoint(words)  # the readiness probe's
     health = group.health_address(port, scheme) if group else f"{scheme}://127.0.0.1:{port}/health"
     if s3_store is not None:
         return Compiled(key=key, health_url=health, group=group, inputs=inputs, s3_store=s3_store,

@@ -150,6 +150,12 @@ def served_host(words: list[str]) -> str | None:
     return host
 
 
+def health_endpoint(words: list[str]) -> tuple[int, str]:
+    """The port and scheme ("http", "https") the vLLM command line serves /health on."""
+    get = health_probe(words)["httpGet"]
+    return get["port"], get["scheme"].lower()
+
+
 def health_probe(words: list[str]) -> dict[str, Any]:
     """httpGet /health on the port (and scheme) the vLLM command line serves."""
     flat = _flat(words)

@@ -492,9 +492,8 @@ def _wiring(spec: ModelWeightsSpec, artifact: Artifact, container: str | None, c
     init = (_loader_init(loader, location, digest, mounted, local, current.resources.get(name) or {})
             if gated else None)
     argv = new_command + new_args
-    probe = health_probe(argv)["httpGet"]
     compiled = plan_compiled(spec, artifact, current.images.get(name, ""), argv, init is not None,
-                             probe["port"], current.envs.get(name, []), group, probe["scheme"].lower())
+                             current.envs.get(name, []), group)
     if init is not None and compiled.on:
         init["args"] += loader_args(compiled)
     group_env = _group_env(group, was_grouped)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api.types import ServingTarget, WorkloadKind
-from .loader import health_probe
+from .loader import health_endpoint
 from .wiring import Group, ServingError, WorkloadFacts, deployment_facts, template_facts
 
 STATEFULSET_INDEX_LABEL = "apps.kubernetes.io/pod-index"
@@ -115,11 +115,9 @@ def groups_of(target: ServingTarget, facts: WorkloadFacts) -> tuple[Group | None
 
 
 def _health(facts: WorkloadFacts, container: str | None) -> tuple[int, str]:
-    """The port and scheme the template's vLLM serves /health on (its --port, else vLLM's default; https with
-    --ssl-keyfile)."""
+    """The port and scheme the template's vLLM serves /health on."""
     name = container or next(iter(facts.containers), "")
-    get = health_probe(facts.commands.get(name, []) + facts.containers.get(name, []))["httpGet"]
-    return get["port"], get["scheme"].lower()
+    return health_endpoint(facts.commands.get(name, []) + facts.containers.get(name, []))
 
 
 class GroupSizeMismatch(ServingError):

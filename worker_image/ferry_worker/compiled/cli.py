@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import ssl
@@ -58,10 +59,12 @@ def _delete(args: argparse.Namespace) -> int:
     return 0
 
 
+@functools.cache
 def _no_verify() -> ssl.SSLContext:
     """vLLM's TLS certificate names its Service, not 127.0.0.1 or a pod's name, and its CA is the user's: the
-    harvest sends nothing and reads only the status code, so it does not verify the certificate."""
-    context = ssl.create_default_context()
+    harvest sends nothing and reads only the status code, so it does not verify the certificate (and loads no
+    CA bundle). Made once, not at every poll."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     return context
 
