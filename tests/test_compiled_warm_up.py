@@ -256,3 +256,35 @@ def test_a_warm_up_job_that_makes_no_pod_is_named_with_the_way_to_see_why():
     assert "made no pod in 30 s" in said and "kubectl describe job llama-warm-abc -n ml" in said
     assert warm_up_facts(created, [], now - timedelta(seconds=30)).message == ""  # within the grace
     assert warm_up_facts(created, [], None).message == ""  # pods unknown (no index): nothing said
+
+
+def test_a_job_squatting_the_warm_ups_name_does_not_hold_the_rollout():
+    """Someone who may create Jobs made one under the warm-up's name first: Ferry never waits for it (it
+    would never finish as Ferry's), so the rollout goes on and the status names the Job. A Job of this
+    object's own under that name (an earlier reconcile's) is followed as it is."""
+    from kubernetes.client.exceptions import ApiException
+
+    m = mw("BeforeRollout")
+    (warm,) = planned(m, {}).actions
+    squatter = {"metadata": {"ownerReferences": [{"controller": True, "uid": "someone"}]}}
+    ex = refusing_executor(409, "already exists")
+    ex.batch.read_namespaced_job = lambda name, namespace, _preload_content=True: _json(squatter)
+    ex.warm_up(m, "0b7e", warm.name, warm.patch, warm.key, "7")
+    refused = ex.warm_ups(m)[warm.key]
+    assert refused.phase == "Failed" and f"Job {refused.job} exists and is not this ModelWeights'" in refused.message
+    assert refused.job.startswith("llama-warm-")
+    assert [type(a) for a in planned(m, ex.warm_ups(m)).actions] == [PatchWorkload]
+    ours = {"metadata": {"ownerReferences": [{"controller": True, "uid": m.metadata.uid}]}}
+    ex = refusing_executor(409, "already exists")
+    ex.batch.read_namespaced_job = lambda name, namespace, _preload_content=True: _json(ours)
+    ex.warm_up(m, "0b7e", warm.name, warm.patch, warm.key, "7")
+    assert ex.warm_ups(m) == {}  # the view (empty here) shows it; nothing refused
+    with pytest.raises(ApiException):
+        refusing_executor(500, "etcdserver: request timed out").warm_up(m, "0b7e", warm.name, warm.patch,
+                                                                          warm.key, "7")
+
+
+def _json(body):
+    class Response:
+        data = json.dumps(body).encode()
+    return Response()

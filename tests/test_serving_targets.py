@@ -371,3 +371,25 @@ def test_a_group_going_back_to_single_pods_leaves_no_group_index_in_the_harvest(
     harvest = next(c for c in after["spec"]["initContainers"] if c["name"] == "ferry-compiled-harvest")
     assert "--group-index" not in harvest["args"] and GROUP_INDEX_ENV not in [e["name"] for e in harvest.get("env", [])]
     assert template_patch(single, "llama", artifact, "vllm", template_facts("llama", after), LOADER, None) is None
+
+
+def test_the_status_keys_a_groups_template_as_its_wiring_does():
+    """A StatefulSet group's pods wait on the leader's /health at its --master-addr, so a --host of their own
+    keeps compiled state on in the wiring; the status computes the same key, not "--host" words."""
+    obj = manifest(format=PP2, serving={"targets": [{"kind": "StatefulSet", "name": "llama", "groupSize": 2}],
+                                        "compiledState": {"mode": "AfterFirstReady"}})
+    mw = parse(obj)
+    uri = "pvc://weights/llama/0b7e/abc/artifact"
+    artifact = ARTIFACT.model_copy(update={"uri": uri})
+    body = {"metadata": {"name": "llama"}, "spec": {"replicas": 2, "serviceName": "llama-hl",
+                                                    "template": vllm_template(["m", "--host", "$(POD_IP)"])}}
+    group, _ = groups_of(mw.spec.serving.targets[0], statefulset_facts(body))
+    patch = template_patch(mw.spec, "llama", artifact, "vllm", statefulset_facts(body), LOADER, group)
+    loader = container(patch, "ferry-load")
+    key = loader["args"][loader["args"].index("--compiled-key") + 1]
+    body["spec"]["template"] = strategic.apply(body["spec"]["template"], patch["spec"]["template"])
+    done = {s.id: StepState(StepPhase.SUCCEEDED) for s in prepare_steps(mw.spec)}
+    facts = ArtifactFacts(uri=uri, total_bytes=1 << 30, manifest_digest=DIGEST)
+    status = plan(mw, Observed(steps=done, artifact=facts, workloads={"statefulset/llama": statefulset_facts(body)}),
+                  loader=LOADER).status.compiled_state
+    assert status.key == key and "--host" not in status.message

@@ -572,8 +572,9 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
         return CompiledStateStatus(message=f"{target.describe()} not found")
     name = target.container or next(iter(current.containers), "")
     words = current.commands.get(name, []) + current.containers.get(name, [])
+    group, _ = groups_of(target, current)  # the worker template's, as the wiring keys it
     compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated,
-                             current.envs.get(name, []))
+                             current.envs.get(name, []), group)
     if not compiled.on:
         return CompiledStateStatus(message=compiled.reason)
     before = mw.status.compiled_state if mw.status else None

@@ -195,12 +195,23 @@ class KubernetesExecutor:
         job = warm_up.warm_up_job_manifest(mw, uid, key, template,
                                            (deployment["spec"].get("selector") or {}).get("matchLabels") or {})
         try:
-            _create(self.batch.create_namespaced_job, mw.metadata.namespace, job)
+            self.batch.create_namespaced_job(mw.metadata.namespace, job)
         except ApiException as exc:
+            if exc.status == 409:
+                return self._squatted(mw, uid, key, job["metadata"]["name"])
             if exc.status not in REFUSED or (exc.status == 403 and diagnosis.rbac_denied(exc.body)):
                 raise  # an outage is retried; a permission the operator lacks stalls, naming the grant
             self._refuse(uid, WarmUpFacts(key, job["metadata"]["name"], "Failed", (
                 f"the API server refused to create it: {diagnosis.api_message(exc.body, str(exc))}")[:512]))
+
+    def _squatted(self, mw: ModelWeights, uid: str, key: str, name: str) -> None:
+        """The warm-up's name is taken. Ours (a reconcile before this one made it): followed as it is. Another's
+        (someone who may create Jobs made it first): never waited for, so it cannot hold the rollout."""
+        found = _read(self.batch.read_namespaced_job, name, mw.metadata.namespace)
+        if found is not None and self._not_ours(mw, found) is not None:
+            self._refuse(uid, WarmUpFacts(key, name, "Failed", (
+                f"Job {name} exists and is not this ModelWeights' (its controller is not uid {mw.metadata.uid}), "
+                f"so Ferry made none: delete that Job to let the next change warm up first")))
 
     def _refuse(self, uid: str, facts: WarmUpFacts) -> None:
         with self._refused_lock:
