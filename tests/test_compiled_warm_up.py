@@ -275,10 +275,12 @@ def test_a_job_squatting_the_warm_ups_name_does_not_hold_the_rollout():
     assert refused.job.startswith("llama-warm-")
     assert [type(a) for a in planned(m, ex.warm_ups(m)).actions] == [PatchWorkload]
     ours = {"metadata": {"ownerReferences": [{"controller": True, "uid": m.metadata.uid}]}}
-    ex = refusing_executor(409, "already exists")
-    ex.batch.read_namespaced_job = lambda name, namespace, _preload_content=True: _json(ours)
-    ex.warm_up(m, "0b7e", warm.name, warm.patch, warm.key, "7")
-    assert ex.warm_ups(m) == {}  # the view (empty here) shows it; nothing refused
+    going = {"metadata": {**squatter["metadata"], "deletionTimestamp": "2026-12-06T12:00:00Z"}}
+    for found in (ours, going):  # ours is followed (the view, empty here, shows it); one going makes way
+        ex = refusing_executor(409, "already exists")
+        ex.batch.read_namespaced_job = lambda name, namespace, _preload_content=True, found=found: _json(found)
+        ex.warm_up(m, "0b7e", warm.name, warm.patch, warm.key, "7")
+        assert ex.warm_ups(m) == {}
     with pytest.raises(ApiException):
         refusing_executor(500, "etcdserver: request timed out").warm_up(m, "0b7e", warm.name, warm.patch,
                                                                           warm.key, "7")

@@ -208,7 +208,9 @@ class KubernetesExecutor:
         """The warm-up's name is taken. Ours (a reconcile before this one made it): followed as it is. Another's
         (someone who may create Jobs made it first): never waited for, so it cannot hold the rollout."""
         found = _read(self.batch.read_namespaced_job, name, mw.metadata.namespace)
-        if found is not None and self._not_ours(mw, found) is not None:
+        if found is None or found["metadata"].get("deletionTimestamp"):
+            return  # gone or going: the next reconcile creates Ferry's own
+        if self._not_ours(mw, found) is not None:
             self._refuse(uid, WarmUpFacts(key, name, "Failed", (
                 f"Job {name} exists and is not this ModelWeights' (its controller is not uid {mw.metadata.uid}), "
                 f"so Ferry made none: delete that Job to let the next change warm up first")))
