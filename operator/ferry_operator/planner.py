@@ -570,8 +570,7 @@ def _compiled_status(mw: ModelWeights, observed: Observed, facts: Artifact, targ
     current = observed.workloads.get(target.key)
     if current is None:
         return CompiledStateStatus(message=f"{target.describe()} not found")
-    name = target.container or next(iter(current.containers), "")
-    words = current.commands.get(name, []) + current.containers.get(name, [])
+    name, words = current.served(target.container)
     group, _ = groups_of(target, current)  # the worker template's, as the wiring keys it
     compiled = plan_compiled(mw.spec, facts, current.images.get(name, ""), words, gated,
                              current.envs.get(name, []), group)

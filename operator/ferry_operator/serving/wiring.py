@@ -80,6 +80,11 @@ class WorkloadFacts:
     available: int = 0
     host_ports: bool = False  # hostNetwork, or a container port bound on the node: pods of it cannot share one
 
+    def served(self, container: str | None) -> tuple[str, list[str]]:
+        """The vLLM container (the named one, else the first; "" if none) and its command line as read."""
+        name = container or next(iter(self.containers), "")
+        return name, self.commands.get(name, []) + self.containers.get(name, [])
+
 
 def template_facts(name: str, template: Mapping[str, Any], **workload: Any) -> WorkloadFacts:
     """The wiring of one pod template (metadata + spec, as the API serves it)."""

@@ -116,8 +116,7 @@ def groups_of(target: ServingTarget, facts: WorkloadFacts) -> tuple[Group | None
 
 def _health(facts: WorkloadFacts, container: str | None) -> tuple[int, str]:
     """The port and scheme the template's vLLM serves /health on."""
-    name = container or next(iter(facts.containers), "")
-    return health_endpoint(facts.commands.get(name, []) + facts.containers.get(name, []))
+    return health_endpoint(facts.served(container)[1])
 
 
 class GroupSizeMismatch(ServingError):
